@@ -1,0 +1,205 @@
+"""sits-trace command line (typer): trace, run, doctor, stats.
+
+Errors a user can cause end in one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .config import ConfigError, load as load_config
+from .model import Span
+from .probes import ProbeError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="eBPF request tracing for GPU inference nodes: every HTTP/HTTPS request as a span.",
+)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.echo(f"sits-trace: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def _install_stop(stop: threading.Event) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+class _TablePrinter:
+    """A readable line per span, flushed as it comes."""
+
+    HEADER = f"{'START':<12} {'KIND':<6} {'PID':>7} {'COMM':<12} {'METHOD':<7} {'STATUS':>6} " \
+             f"{'DUR_MS':>9} {'TTFB_MS':>8}  PATH  REQUEST-ID"
+
+    def __init__(self) -> None:
+        typer.echo(self.HEADER)
+
+    def __call__(self, s: Span) -> None:
+        a = s.attributes
+        import datetime  # noqa: PLC0415
+
+        start = datetime.datetime.fromtimestamp(s.start_time_unix_nano / 1e9).strftime("%H:%M:%S.%f")[:12]
+        dur = (s.end_time_unix_nano - s.start_time_unix_nano) / 1e6
+        status = a.get("http.response.status_code", "-")
+        tls = "+tls" if a.get("tls") else ""
+        ttfb = a.get("sits.ttfb_ms", "")
+        ttfb_s = f"{ttfb:8.3f}" if isinstance(ttfb, float) else f"{'-':>8}"
+        typer.echo(
+            f"{start:<12} {s.kind[:6]:<6} {a.get('process.pid', 0):>7} "
+            f"{str(a.get('process.executable.name', ''))[:12]:<12} "
+            f"{str(a.get('http.request.method', '')):<7} {status!s:>6} {dur:9.3f} {ttfb_s}  "
+            f"{a.get('url.path', '')}{tls}  {a.get('http.request.header.x-request-id', '')}"
+        )
+        sys.stdout.flush()
+
+
+def _json_printer(s: Span) -> None:
+    sys.stdout.write(json.dumps(s.to_json(), separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+@app.command()
+def trace(
+    pid: Annotated[Optional[list[int]], typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="only spans whose server port is this")] = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", "-d", help="stop after this many seconds")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per span on stdout, nothing else")] = False,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file")] = None,
+    record: Annotated[Optional[Path], typer.Option("--record", help="also save raw ring-buffer records to this file (fixtures)")] = None,
+    replay: Annotated[Optional[Path], typer.Option("--replay", help="decode a recording instead of the kernel (no root needed)")] = None,
+) -> None:
+    """Print every completed HTTP/HTTPS span.
+
+    Examples:
+
+      sits-trace trace --json                 # all processes, JSON lines
+
+      sits-trace trace -p $(pgrep -o nginx) --port 443 -d 30
+    """
+    try:
+        cfg = load_config(config, overrides={"trace.pids": pid or None, "trace.port": port})
+    except ConfigError as exc:
+        _fail(str(exc))
+    sink = _json_printer if as_json else _TablePrinter()
+    if replay is not None:
+        _replay(replay, sink, cfg.trace.port or None)
+        return
+    from .daemon import Agent, format_stats_lines  # noqa: PLC0415
+    from .loader import Recorder, RingSource, TeeSource  # noqa: PLC0415
+
+    def source(kernel: Any) -> Any:
+        ring = RingSource(kernel)
+        return TeeSource(ring, Recorder(record)) if record else ring
+
+    agent = Agent(cfg, sink, source_factory=source)
+    stop = threading.Event()
+    _install_stop(stop)
+    try:
+        agent.start()
+    except ProbeError as exc:
+        _fail(str(exc))
+    typer.echo("sits-trace: tracing; Ctrl-C to stop", err=True)
+    agent.run(stop, duration)
+    agent.tracer.source.close() if agent.tracer else None
+    for line in format_stats_lines(agent.stats()):
+        typer.echo(f"sits-trace: {line}", err=True)
+
+
+def _replay(path: Path, sink: Any, port: int | None) -> None:
+    from .loader import RecordedSource  # noqa: PLC0415
+    from .pipeline import Tracer  # noqa: PLC0415
+    from .spans import SpanBuilder  # noqa: PLC0415
+
+    try:
+        src = RecordedSource(path)
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+    tracer = Tracer(src, sink, SpanBuilder(clock_offset_ns=0), port=port,
+                    monotonic_ns=lambda: 0)
+    while not src.exhausted:
+        tracer.poll(0)
+    tracer.close_all()
+
+
+@app.command()
+def run(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file")] = None,
+) -> None:
+    """Run the agent as a daemon: spans to the configured exporters until SIGTERM/SIGINT.
+
+    On stop it drains the ring buffer and flushes every pending span.
+    """
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        _fail(str(exc))
+    from .daemon import Agent, format_stats_lines  # noqa: PLC0415
+    from sits_trace.exporters import build_exporters  # noqa: PLC0415
+
+    try:
+        exporters = build_exporters(cfg)
+    except ConfigError as exc:
+        _fail(str(exc))
+    agent = Agent(cfg, exporters.export_span)
+    stop = threading.Event()
+    _install_stop(stop)
+    try:
+        agent.start()
+    except ProbeError as exc:
+        _fail(str(exc))
+    exporters.attach_agent(agent)
+    typer.echo("sits-trace: agent running", err=True)
+    try:
+        agent.run(stop)
+    finally:
+        exporters.shutdown()
+    for line in format_stats_lines(agent.stats()):
+        typer.echo(f"sits-trace: {line}", err=True)
+
+
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable result")] = False,
+) -> None:
+    """Check what the agent needs, and print the one-line fix for each missing thing."""
+    from .doctor import render, run_checks  # noqa: PLC0415
+
+    checks = run_checks()
+    if as_json:
+        typer.echo(json.dumps([c.as_dict() for c in checks], indent=1))
+    else:
+        render(checks)
+    if any(c.core and not c.ok for c in checks):
+        raise typer.Exit(1)
+
+
+@app.command()
+def stats() -> None:
+    """Print the running agent's counters (events seen and lost, spans, parser resyncs)."""
+    from .config import STATS_PATH  # noqa: PLC0415
+
+    try:
+        typer.echo(STATS_PATH.read_text())
+    except OSError:
+        _fail(f"no stats at {STATS_PATH}: is `sits-trace run` running?", 1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Configuration: defaults -> TOML file -> SITS_* environment -> CLI flags, then validate().
+
+A key is written `section.name` in errors and `[section] name = ...` in TOML;
+its environment form is SITS_SECTION_NAME (e.g. SITS_EXPORT_JSONL_PATH).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+STATS_PATH = Path(os.environ.get("SITS_STATS_PATH", "/run/sits-trace/stats.json"))
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and what is allowed."""
+
+
+@dataclass(slots=True)
+class TraceConfig:
+    pids: list[int] = field(default_factory=list)
+    port: int = 0  # 0: every port
+    tls: bool = True
+    capture_bytes: int = 4096  # payload captured per read/write (a power of two, 256..16384)
+    ringbuf_mib: int = 16  # ring buffer size (a power of two)
+    poll_ms: int = 20
+    idle_timeout_s: float = 30.0
+    ssl_libraries: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ExportConfig:
+    jsonl_path: str = "-"  # "-" is stdout; "" disables
+    otlp_endpoint: str = ""  # e.g. http://localhost:4317 ; "" disables (or OTEL_EXPORTER_OTLP_ENDPOINT)
+    otlp_protocol: str = ""  # grpc | http/protobuf ; "" is OTEL_EXPORTER_OTLP_PROTOCOL, else grpc
+    prometheus_port: int = 0  # 0 disables /metrics
+    prometheus_address: str = "127.0.0.1"
+    service_name: str = ""  # "" is OTEL_SERVICE_NAME, else each span's process.executable.name
+    # the rest belongs to exporters/ (checked by exporters/_settings.py); see docs/export.md
+    otlp_headers: str = ""  # "k=v,k2=v2"; "" is OTEL_EXPORTER_OTLP_HEADERS
+    otlp_timeout_s: float = 0.0  # one export request; 0 is OTEL_EXPORTER_OTLP_TIMEOUT (ms), else 10
+    otlp_metrics: bool = True  # RED + agent metrics over OTLP as well as traces
+    otlp_metrics_interval_s: float = 15.0
+    resource_attributes: str = ""  # "k=v,..." over OTEL_RESOURCE_ATTRIBUTES
+    queue_size: int = 8192  # spans held per exporter; more are dropped and counted
+    batch_size: int = 512
+    batch_delay_s: float = 1.0  # longest a span waits for its batch to fill
+    retry_deadline_s: float = 30.0  # a batch the collector keeps refusing is dropped after this
+    max_label_sets: int = 1000  # distinct label sets per HTTP duration metric; more go to route="_other"
+
+
+@dataclass(slots=True)
+class Config:
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def validate(self) -> Config:
+        t = self.trace
+        _power_of_two("trace.capture_bytes", t.capture_bytes, 256, 16384)
+        _power_of_two("trace.ringbuf_mib", t.ringbuf_mib, 1, 1024)
+        _range("trace.port", t.port, 0, 65535)
+        _range("trace.poll_ms", t.poll_ms, 1, 1000)
+        _range("trace.idle_timeout_s", t.idle_timeout_s, 0.1, 86400)
+        for p in t.pids:
+            _range("trace.pids", p, 1, 2**22)
+        e = self.export
+        if e.otlp_protocol not in ("", "grpc", "http/protobuf"):
+            raise ConfigError(f"export.otlp_protocol: {e.otlp_protocol!r} is not one of "
+                              "'grpc', 'http/protobuf'")
+        _range("export.prometheus_port", e.prometheus_port, 0, 65535)
+        if e.otlp_endpoint and "://" not in e.otlp_endpoint:
+            raise ConfigError(f"export.otlp_endpoint: {e.otlp_endpoint!r} needs a scheme, "
+                              "e.g. http://localhost:4317")
+        return self
+
+
+def _range(key: str, v: float, lo: float, hi: float) -> None:
+    if not lo <= v <= hi:
+        raise ConfigError(f"{key}: {v} is outside {lo}..{hi}")
+
+
+def _power_of_two(key: str, v: int, lo: int, hi: int) -> None:
+    _range(key, v, lo, hi)
+    if v & (v - 1):
+        raise ConfigError(f"{key}: {v} is not a power of two ({lo}..{hi})")
+
+
+def _coerce(key: str, current: Any, raw: Any) -> Any:
+    """Convert a TOML or environment value to the type of the field's default."""
+    try:
+        if isinstance(current, bool):
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if isinstance(current, list):
+            items = raw if isinstance(raw, list) else [x for x in str(raw).split(",") if x.strip()]
+            kind = int if key.endswith("pids") else str
+            return [kind(x) for x in items]
+        if isinstance(current, int):
+            if isinstance(raw, float) or (isinstance(raw, str) and not raw.strip().lstrip("-").isdigit()):
+                raise ValueError(raw)
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if not isinstance(raw, str):
+            raise ValueError(raw)
+        return raw
+    except (TypeError, ValueError):
+        kind = type(current).__name__
+        raise ConfigError(f"{key}: {raw!r} is not a valid {kind}") from None
+
+
+def _apply(cfg: Config, section: str, values: Mapping[str, Any], origin: str) -> None:
+    sub = getattr(cfg, section, None)
+    if sub is None:
+        raise ConfigError(f"{origin}: unknown section [{section}] (allowed: trace, export)")
+    names = {f.name for f in fields(sub)}
+    for k, v in values.items():
+        if k not in names:
+            raise ConfigError(f"{origin}: unknown key {section}.{k} "
+                              f"(allowed: {', '.join(sorted(names))})")
+        setattr(sub, k, _coerce(f"{section}.{k}", getattr(sub, k), v))
+
+
+def load(path: str | Path | None = None, env: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Any] | None = None) -> Config:
+    """Build and validate the configuration. Raises ConfigError."""
+    cfg = Config()
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: {section} must be a [section] table")
+            _apply(cfg, section, values, str(path))
+    environ = os.environ if env is None else env
+    for section in ("trace", "export"):
+        prefix = f"SITS_{section.upper()}_"
+        vals = {k[len(prefix):].lower(): v for k, v in environ.items() if k.startswith(prefix)}
+        if vals:
+            _apply(cfg, section, vals, "environment")
+    for dotted, v in (overrides or {}).items():
+        if v is None:
+            continue
+        section, _, name = dotted.partition(".")
+        _apply(cfg, section, {name: v}, "command line")
+    return cfg.validate()

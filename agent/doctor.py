@@ -1,0 +1,168 @@
+"""`sits-trace doctor`: what works, what is missing, and the one-line fix for each.
+
+`core` checks are the ones tracing cannot run without; the command exits
+non-zero when one of them fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .probes import (
+    HTTP_TRACEPOINTS,
+    TLS_UPROBES,
+    Tracepoint,
+    elf_has_symbol,
+    find_libraries,
+    tracefs_root,
+)
+
+SETUP_HINT = "run `make setup` (scripts/setup.sh) as root"
+
+
+@dataclass(slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    core: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _privileges() -> Check:
+    ok = os.geteuid() == 0
+    return Check("privileges", ok, "root" if ok else f"uid {os.geteuid()}",
+                 "run as root (sudo sits-trace ...)", core=True)
+
+
+def _bcc() -> Check:
+    try:
+        import bcc  # noqa: PLC0415
+
+        return Check("bcc", True, f"python bcc at {Path(bcc.__file__).parent}", core=True)
+    except ImportError:
+        return Check("bcc", False, "the bcc Python module is not importable",
+                     f"apt-get install python3-bpfcc, or {SETUP_HINT}", core=True)
+
+
+def _bpf_syscall() -> Check:
+    try:
+        from bcc import BPF  # noqa: PLC0415
+
+        b = BPF(text="int f(void *ctx) { return 0; }")
+        b.load_func("f", BPF.SOCKET_FILTER)
+        b.cleanup()
+        return Check("bpf", True, "a test program loaded", core=True)
+    except ImportError:
+        return Check("bpf", False, "skipped: bcc missing", SETUP_HINT, core=True)
+    except Exception as exc:  # bcc raises bare Exception
+        return Check("bpf", False, str(exc).splitlines()[0][:120],
+                     "needs root and a kernel with CONFIG_BPF_SYSCALL", core=True)
+
+
+def _btf() -> Check:
+    ok = Path("/sys/kernel/btf/vmlinux").exists()
+    return Check("btf", ok, "/sys/kernel/btf/vmlinux" if ok else "no kernel BTF",
+                 "optional: a kernel built with CONFIG_DEBUG_INFO_BTF")
+
+
+def _tracefs() -> Check:
+    root = tracefs_root()
+    return Check("tracefs", root is not None, str(root) if root else "not mounted",
+                 "mount -t tracefs nodev /sys/kernel/tracing", core=True)
+
+
+def _headers() -> Check:
+    build = Path(f"/lib/modules/{platform.release()}/build")
+    ok = (build / "include").exists() or (build / "Makefile").exists()
+    detail = f"{build} -> {os.path.realpath(build)}" if build.exists() else f"{build} missing"
+    return Check("kernel headers", ok, detail,
+                 f"install linux-headers-$(uname -r) or {SETUP_HINT} (links Debian's)", core=True)
+
+
+def _tracepoint(tp: Tracepoint) -> Check:
+    root = tracefs_root()
+    ok = root is not None and (root / "events" / tp.category / tp.event / "id").exists()
+    return Check(f"tracepoint {tp.name}", ok, tp.group if ok else "missing",
+                 "needs CONFIG_FTRACE_SYSCALLS" if tp.category == "syscalls" else "",
+                 core=tp.required)
+
+
+def _libssl() -> list[Check]:
+    libs = find_libraries("libssl")
+    if not libs:
+        return [Check("libssl", False, "no libssl found on the system or in processes",
+                      "apt-get install libssl3 (TLS tracing is off without it)")]
+    out = []
+    for lib in libs:
+        syms = [u.symbol for u in TLS_UPROBES if elf_has_symbol(lib, u.symbol)]
+        missing = [u.symbol for u in TLS_UPROBES if u.symbol not in syms]
+        out.append(Check(f"libssl {lib}", bool(syms), "symbols: " + ", ".join(syms)
+                         + (f"; missing {', '.join(missing)}" if missing else ""),
+                         "" if syms else "a stripped or non-OpenSSL library: TLS not traced here"))
+    return out
+
+
+def _nvml() -> Check:
+    try:
+        import pynvml  # noqa: PLC0415
+    except ImportError:
+        return Check("nvml", False, "nvidia-ml-py not installed", "pip install nvidia-ml-py")
+    try:
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        drv = pynvml.nvmlSystemGetDriverVersion()
+        pynvml.nvmlShutdown()
+        return Check("nvml", True, f"{n} GPU(s), driver {drv}")
+    except Exception as exc:  # pynvml.NVMLError and library load errors
+        return Check("nvml", False, f"no GPU signals: {exc}",
+                     "optional: install the NVIDIA driver on GPU nodes")
+
+
+def _agent_stats() -> Check:
+    from .config import STATS_PATH  # noqa: PLC0415
+
+    try:
+        st = json.loads(STATS_PATH.read_text())
+    except (OSError, ValueError):
+        return Check("agent stats", True, f"no running agent ({STATS_PATH} absent)")
+    lost = sum(st.get("kernel_lost", {}).values())
+    parser = st.get("tracer", {}).get("parser", {})
+    detail = (f"lost in kernel {lost}, parser resyncs {parser.get('resyncs', 0)}, "
+              f"malformed {parser.get('malformed', 0)}, spans {st.get('tracer', {}).get('spans', 0)}")
+    return Check("agent stats", lost == 0, detail,
+                 "events lost: raise trace.ringbuf_mib or lower trace.poll_ms")
+
+
+EXTRA_CHECKS: list[Callable[[], list[Check]]] = []  # other stages add theirs (CUDA, TCP...)
+
+
+def run_checks() -> list[Check]:
+    checks = [_privileges(), _bcc(), _bpf_syscall(), _btf(), _tracefs(), _headers()]
+    checks += [_tracepoint(tp) for tp in HTTP_TRACEPOINTS]
+    checks += _libssl()
+    for extra in EXTRA_CHECKS:
+        checks += extra()
+    checks += [_nvml(), _agent_stats()]
+    return checks
+
+
+def render(checks: list[Check]) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    t = Table(title="sits-trace doctor")
+    for col in ("check", "", "detail", "fix"):
+        t.add_column(col, overflow="fold")
+    for c in checks:
+        mark = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.core else "[yellow]missing[/]")
+        t.add_row(c.name, mark, c.detail, "" if c.ok else c.fix)
+    Console().print(t)

@@ -1,0 +1,205 @@
+"""The Python mirror of bpf/events.h, and the decoder of raw ring-buffer records.
+
+One mirror (ctypes) of each record header; tests/unit/test_events.py checks it
+against the C file and tests/integration checks it against the layout BCC
+derives, so recorded fixtures decode without a kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import ipaddress
+from dataclasses import dataclass
+
+from .model import Direction, Role
+
+TASK_COMM_LEN = 16
+
+
+class Kind(enum.IntEnum):
+    CONN_OPEN = 1
+    CONN_CLOSE = 2
+    DATA = 3
+    PROC_EXEC = 4
+    PROC_EXIT = 5
+
+
+class Source(enum.IntEnum):
+    SYSCALL = 0
+    TLS = 1
+    SENDFILE = 2
+
+
+class ConnEventC(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("tgid", ctypes.c_uint32),
+        ("conn_id", ctypes.c_uint64),
+        ("ts_ns", ctypes.c_uint64),
+        ("bytes_in", ctypes.c_uint64),
+        ("bytes_out", ctypes.c_uint64),
+        ("tid", ctypes.c_uint32),
+        ("fd", ctypes.c_int32),
+        ("listen_fd", ctypes.c_int32),
+        ("family", ctypes.c_uint16),
+        ("peer_port", ctypes.c_uint16),
+        ("peer_addr", ctypes.c_uint8 * 16),
+        ("comm", ctypes.c_char * TASK_COMM_LEN),
+        ("role", ctypes.c_uint8),
+        ("tls", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 6),
+    ]
+
+
+class DataEventHdrC(ctypes.Structure):
+    """struct data_event without its payload array."""
+
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("tgid", ctypes.c_uint32),
+        ("conn_id", ctypes.c_uint64),
+        ("ts_enter_ns", ctypes.c_uint64),
+        ("ts_exit_ns", ctypes.c_uint64),
+        ("ssl", ctypes.c_uint64),
+        ("tid", ctypes.c_uint32),
+        ("fd", ctypes.c_int32),
+        ("len", ctypes.c_uint32),
+        ("captured", ctypes.c_uint32),
+        ("direction", ctypes.c_uint8),
+        ("source", ctypes.c_uint8),
+        ("role", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 5),
+    ]
+
+
+class ProcEventC(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("tgid", ctypes.c_uint32),
+        ("ts_ns", ctypes.c_uint64),
+        ("comm", ctypes.c_char * TASK_COMM_LEN),
+    ]
+
+
+DATA_HDR_SIZE = ctypes.sizeof(DataEventHdrC)
+AF_INET = 2
+AF_INET6 = 10
+
+
+@dataclass(slots=True)
+class ConnEvent:
+    kind: Kind
+    pid: int
+    tid: int
+    conn_id: int
+    ts_ns: int
+    fd: int
+    listen_fd: int
+    role: Role
+    peer_address: str
+    peer_port: int
+    comm: str
+    tls: bool
+    bytes_in: int
+    bytes_out: int
+
+
+@dataclass(slots=True)
+class DataEvent:
+    pid: int
+    tid: int
+    conn_id: int
+    fd: int
+    ssl: int
+    ts_enter_ns: int
+    ts_exit_ns: int
+    length: int
+    direction: Direction
+    source: Source
+    role: Role
+    payload: bytes
+
+
+@dataclass(slots=True)
+class ProcEvent:
+    kind: Kind
+    pid: int
+    ts_ns: int
+    comm: str
+
+
+Event = ConnEvent | DataEvent | ProcEvent
+
+
+class DecodeError(ValueError):
+    """A record that does not match any known layout (counted, never fatal)."""
+
+
+def format_address(family: int, raw: bytes) -> str:
+    """Printable peer address; IPv4-mapped IPv6 is shown as IPv4."""
+    if family == AF_INET:
+        return str(ipaddress.IPv4Address(raw[:4]))
+    if family == AF_INET6:
+        addr = ipaddress.IPv6Address(raw[:16])
+        return str(addr.ipv4_mapped or addr)
+    return ""
+
+
+def _decode_conn(raw: bytes) -> ConnEvent:
+    c = ConnEventC.from_buffer_copy(raw[: ctypes.sizeof(ConnEventC)])
+    return ConnEvent(
+        kind=Kind(c.kind), pid=c.tgid, tid=c.tid, conn_id=c.conn_id, ts_ns=c.ts_ns, fd=c.fd,
+        listen_fd=c.listen_fd, role=Role(c.role),
+        peer_address=format_address(c.family, bytes(c.peer_addr)), peer_port=c.peer_port,
+        comm=c.comm.decode("utf-8", "replace"), tls=bool(c.tls),
+        bytes_in=c.bytes_in, bytes_out=c.bytes_out,
+    )
+
+
+def _decode_data(raw: bytes) -> DataEvent:
+    h = DataEventHdrC.from_buffer_copy(raw[:DATA_HDR_SIZE])
+    end = DATA_HDR_SIZE + h.captured
+    if end > len(raw) or h.captured > h.len:
+        raise DecodeError(f"data record: captured={h.captured} len={h.len} size={len(raw)}")
+    return DataEvent(
+        pid=h.tgid, tid=h.tid, conn_id=h.conn_id, fd=h.fd, ssl=h.ssl,
+        ts_enter_ns=h.ts_enter_ns, ts_exit_ns=h.ts_exit_ns, length=h.len,
+        direction=Direction(h.direction), source=Source(h.source), role=Role(h.role),
+        payload=raw[DATA_HDR_SIZE:end],
+    )
+
+
+def _decode_proc(raw: bytes) -> ProcEvent:
+    p = ProcEventC.from_buffer_copy(raw[: ctypes.sizeof(ProcEventC)])
+    return ProcEvent(kind=Kind(p.kind), pid=p.tgid, ts_ns=p.ts_ns,
+                     comm=p.comm.decode("utf-8", "replace"))
+
+
+_MIN_SIZE = {
+    Kind.CONN_OPEN: ctypes.sizeof(ConnEventC),
+    Kind.CONN_CLOSE: ctypes.sizeof(ConnEventC),
+    Kind.DATA: DATA_HDR_SIZE,
+    Kind.PROC_EXEC: ctypes.sizeof(ProcEventC),
+    Kind.PROC_EXIT: ctypes.sizeof(ProcEventC),
+}
+
+
+def decode(raw: bytes) -> Event:
+    """One ring-buffer record to an event; DecodeError for anything malformed."""
+    if len(raw) < 4:
+        raise DecodeError(f"record of {len(raw)} bytes")
+    try:
+        kind = Kind(int.from_bytes(raw[:4], "little"))
+    except ValueError as exc:
+        raise DecodeError(f"unknown record kind {raw[:4].hex()}") from exc
+    if len(raw) < _MIN_SIZE[kind]:
+        raise DecodeError(f"{kind.name} record of {len(raw)} bytes")
+    try:
+        if kind is Kind.DATA:
+            return _decode_data(raw)
+        if kind in (Kind.CONN_OPEN, Kind.CONN_CLOSE):
+            return _decode_conn(raw)
+        return _decode_proc(raw)
+    except ValueError as exc:  # an enum field out of range
+        raise DecodeError(str(exc)) from exc

@@ -1,0 +1,271 @@
+"""Compile the BPF programs with BCC, attach every probe in one loop, and read the ring.
+
+The rest of the agent sees two small things from here: an EventSource (records
+as bytes, so a recorded file can stand in for the kernel) and a Kernel handle
+for the maps the agent writes (target pids, pre-existing connections) and reads
+(per-kind seen/lost counters).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+from . import bpfsrc
+from .probes import (
+    HTTP_TRACEPOINTS,
+    TLS_UPROBES,
+    ProbeError,
+    ProbeReport,
+    ProbeStatus,
+    Tracepoint,
+    Uprobe,
+    check_tracepoints,
+    find_libraries,
+    tracefs_root,
+)
+
+
+class EventSource(Protocol):
+    def read(self, timeout_ms: int) -> list[bytes]:
+        """Records that arrived, waiting at most timeout_ms for the first."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class LoadOptions:
+    ringbuf_pages: int = 4096
+    max_payload: int = 4096
+    target_pids: Sequence[int] = ()
+    tls: bool = True
+    extra_programs: Sequence[str] = ()  # further files of bpf/, e.g. "tcp.c"
+    extra_tracepoints: Sequence[Tracepoint] = ()
+    extra_uprobes: Sequence[Uprobe] = ()
+    extra_defines: dict[str, int | str] = field(default_factory=dict)
+    ssl_libraries: Sequence[str] = ()  # extra libssl paths to probe
+
+
+class BccUnavailable(ProbeError):
+    pass
+
+
+def import_bcc() -> Any:
+    try:
+        import bcc  # noqa: PLC0415
+    except ImportError as exc:
+        raise BccUnavailable(
+            "the bcc Python module is missing: run `make setup` (installs Debian's python3-bpfcc "
+            "and a venv with --system-site-packages)"
+        ) from exc
+    return bcc
+
+
+class Kernel:
+    """The loaded programs: maps, probe report, uprobe attachment."""
+
+    def __init__(self, bpf: Any, report: ProbeReport, opts: LoadOptions) -> None:
+        self.bpf = bpf
+        self.report = report
+        self.opts = opts
+        self._attached: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def counters(self, name: str) -> dict[int, int]:
+        """Per-kind totals of the per-CPU `seen` or `lost` array."""
+        table = self.bpf[name]
+        out: dict[int, int] = {}
+        for k, v in table.items():
+            total = sum(int(x) for x in v)
+            if total:
+                out[int(k.value)] = total
+        return out
+
+    def add_target_pid(self, pid: int) -> None:
+        table = self.bpf["target_pids"]
+        table[table.Key(pid)] = table.Leaf(1)
+
+    def register_conn(self, pid: int, fd: int, conn_id: int, role: int) -> None:
+        """Trace a connection that was open before the agent started."""
+        table = self.bpf["conns"]
+        leaf = table.Leaf()
+        leaf.conn_id = conn_id
+        leaf.role = role
+        table[table.Key((pid << 32) | fd)] = leaf
+
+    def forget_pid(self, pid: int, fds: Sequence[int]) -> None:
+        table = self.bpf["conns"]
+        for fd in fds:
+            try:
+                del table[table.Key((pid << 32) | fd)]
+            except KeyError:
+                pass
+
+    def attach_uprobes(self, library: str, probes: Sequence[Uprobe]) -> list[ProbeStatus]:
+        """Attach each probe to `library` once; report each symbol's outcome."""
+        out: list[ProbeStatus] = []
+        with self._lock:
+            for p in probes:
+                key = (library, p.symbol)
+                if key in self._attached:
+                    continue
+                st = ProbeStatus(f"uprobe:{os.path.basename(library)}:{p.symbol}", p.group,
+                                 p.required, True)
+                try:
+                    self.bpf.attach_uprobe(name=library, sym=p.symbol, fn_name=p.fn_enter)
+                    self.bpf.attach_uretprobe(name=library, sym=p.symbol, fn_name=p.fn_exit)
+                    self._attached.add(key)
+                except Exception as exc:  # bcc raises bare Exception
+                    st.ok = False
+                    st.detail = str(exc).splitlines()[0][:200]
+                out.append(st)
+                self.report.add(st)
+        return out
+
+    def attached_libraries(self) -> set[str]:
+        return {lib for lib, _ in self._attached}
+
+
+def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
+    """Compile, load and attach. Raises ProbeError with a one-line reason and fix."""
+    bcc = import_bcc()
+    if os.geteuid() != 0:
+        raise ProbeError("loading BPF programs needs root (or CAP_BPF+CAP_PERFMON): run with sudo")
+    root = tracefs_root()
+    if root is None:
+        raise ProbeError("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
+    report = ProbeReport()
+    tps = list(HTTP_TRACEPOINTS) + list(opts.extra_tracepoints)
+    missing_defines = check_tracepoints(tps, root, report)
+    bad = report.failed_required()
+    if bad:
+        names = ", ".join(s.name for s in bad)
+        raise ProbeError(f"required tracepoints missing from this kernel: {names}")
+    files = ["http.c"] + (["tls.c"] if opts.tls else []) + list(opts.extra_programs)
+    defines: dict[str, int | str] = {
+        "SITS_AGENT_PID": agent_pid if agent_pid is not None else os.getpid(),
+        "SITS_RINGBUF_PAGES": opts.ringbuf_pages,
+        "SITS_MAX_PAYLOAD": opts.max_payload,
+        "SITS_FILTER_PIDS": 1 if opts.target_pids else 0,
+        **{d: 1 for d in missing_defines},
+        **opts.extra_defines,
+    }
+    text = bpfsrc.program_text(files)
+    try:
+        bpf = bcc.BPF(text=text, cflags=bpfsrc.cflags(defines))
+    except Exception as exc:
+        raise ProbeError(f"BPF programs failed to compile or load: {exc}. "
+                         "Run `sits-trace doctor` to see what is missing") from exc
+    k = Kernel(bpf, report, opts)
+    for pid in opts.target_pids:
+        k.add_target_pid(pid)
+    if opts.tls:
+        for lib in find_libraries("libssl", extra=opts.ssl_libraries):
+            k.attach_uprobes(lib, TLS_UPROBES)
+    return k
+
+
+class RingSource:
+    """Records from the BCC ring buffer, copied out in the callback and handed over in batches."""
+
+    def __init__(self, kernel: Kernel, map_name: str = "events") -> None:
+        self._batch: list[bytes] = []
+        self._bpf = kernel.bpf
+        string_at = ctypes.string_at
+        batch = self._batch
+
+        def _cb(_ctx: Any, data: Any, size: int) -> int:
+            batch.append(string_at(data, size))
+            return 0
+
+        self._cb = _cb  # keep a reference: bcc holds only a C pointer
+        kernel.bpf[map_name].open_ring_buffer(_cb)
+
+    def read(self, timeout_ms: int) -> list[bytes]:
+        self._bpf.ring_buffer_poll(timeout_ms)
+        self._bpf.ring_buffer_consume()
+        out = self._batch[:]
+        self._batch.clear()
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+_REC_MAGIC = b"SITSREC1"
+
+
+class Recorder:
+    """Writes every record it is given to a file: the fixtures unit tests replay."""
+
+    def __init__(self, path: Path) -> None:
+        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._f.write(_REC_MAGIC)
+
+    def write(self, records: Sequence[bytes]) -> None:
+        for r in records:
+            self._f.write(struct.pack("<I", len(r)))
+            self._f.write(r)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class RecordedSource:
+    """Replays a file written by Recorder, in batches."""
+
+    def __init__(self, path: Path, batch: int = 256) -> None:
+        data = Path(path).read_bytes()
+        if not data.startswith(_REC_MAGIC):
+            raise ValueError(f"{path}: not a sits-trace recording")
+        self._records = _split_records(data[len(_REC_MAGIC):])
+        self._pos = 0
+        self._batch = batch
+
+    def read(self, timeout_ms: int) -> list[bytes]:
+        out = self._records[self._pos:self._pos + self._batch]
+        self._pos += len(out)
+        return out
+
+    @property
+    def exhausted(self) -> bool:
+        return self._pos >= len(self._records)
+
+    def close(self) -> None:
+        pass
+
+
+def _split_records(buf: bytes) -> list[bytes]:
+    out: list[bytes] = []
+    pos = 0
+    while pos + 4 <= len(buf):
+        (n,) = struct.unpack_from("<I", buf, pos)
+        out.append(buf[pos + 4:pos + 4 + n])
+        pos += 4 + n
+    return out
+
+
+class TeeSource:
+    """Passes records through while recording them."""
+
+    def __init__(self, inner: EventSource, recorder: Recorder) -> None:
+        self.inner = inner
+        self.recorder = recorder
+
+    def read(self, timeout_ms: int) -> list[bytes]:
+        recs = self.inner.read(timeout_ms)
+        self.recorder.write(recs)
+        return recs
+
+    def close(self) -> None:
+        self.inner.close()
+        self.recorder.close()
+
+
+OnRecords = Callable[[list[bytes]], None]

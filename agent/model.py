@@ -1,0 +1,140 @@
+"""Plain data passed between the stages of the pipeline.
+
+decode (events.py) -> connection table (conntrack.py) -> HTTP parser (http1.py)
+-> span assembly (spans.py) -> exporters. Nothing here does I/O.
+
+Times inside the agent are CLOCK_MONOTONIC nanoseconds (what bpf_ktime_get_ns
+returns); spans convert to Unix nanoseconds once, in span assembly, with a
+clock offset passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Union
+
+AttrValue = Union[str, bool, int, float]
+
+
+class Direction(enum.IntEnum):
+    """Which way bytes moved, seen from the traced process."""
+
+    INGRESS = 0  # the process read them (read/recv/SSL_read)
+    EGRESS = 1  # the process wrote them (write/send/SSL_write/sendfile)
+
+
+class Role(enum.IntEnum):
+    """The traced process's side of a connection."""
+
+    UNKNOWN = 0
+    SERVER = 1  # the connection came from accept(): requests are INGRESS
+    CLIENT = 2  # the connection came from connect(): requests are EGRESS
+
+
+@dataclass(slots=True)
+class ConnInfo:
+    """What the agent knows about one connection of one process."""
+
+    conn_id: int
+    pid: int
+    fd: int
+    role: Role
+    opened_ns: int = 0
+    peer_address: str = ""
+    peer_port: int = 0
+    local_address: str = ""
+    local_port: int = 0
+    comm: str = ""
+    tls: bool = False
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One read or write on a connection, as the probes saw it.
+
+    ``data`` holds the captured prefix of what moved; ``length`` is how many bytes
+    really moved (``length >= len(data)``; the rest was not captured, e.g. a body
+    sent with sendfile or a payload past the capture limit).
+    """
+
+    direction: Direction
+    ts_enter_ns: int
+    ts_exit_ns: int
+    data: bytes
+    length: int
+
+
+@dataclass(slots=True)
+class RequestHead:
+    method: str
+    target: str  # request-target as sent, e.g. "/v1/completions?x=1"
+    version: str  # "1.0" or "1.1"
+    headers: list[tuple[str, str]]  # names lower-cased, order kept, bounded count
+    start_ns: int  # first byte of the request (ts_exit of the chunk that carried it)
+    end_ns: int  # last byte of the request, body included
+    body_bytes: int = 0
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(slots=True)
+class ResponseHead:
+    status: int
+    version: str
+    headers: list[tuple[str, str]]
+    first_byte_ns: int  # ts_enter of the write that carried the status line
+    end_ns: int  # ts_exit of the write that carried the last byte
+    first_body_ns: int | None = None  # first body chunk (streamed responses: first event)
+    last_body_ns: int | None = None  # last body chunk
+    body_bytes: int = 0
+    body_chunks: int = 0  # writes (or chunked-encoding chunks) that carried body bytes
+    streamed: bool = False  # chunked or text/event-stream or close-delimited
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request and, unless the connection ended first, its response."""
+
+    conn: ConnInfo
+    request: RequestHead
+    response: ResponseHead | None
+    error: str | None = None  # e.g. "connection_closed" when no response came
+
+
+@dataclass(slots=True)
+class Span:
+    """A finished span, in the shape `sits-trace trace --json` prints."""
+
+    trace_id: str  # 32 lower-case hex digits
+    span_id: str  # 16 lower-case hex digits
+    parent_span_id: str | None
+    name: str
+    kind: str  # "SERVER" or "CLIENT"
+    start_time_unix_nano: int
+    end_time_unix_nano: int
+    attributes: dict[str, AttrValue] = field(default_factory=dict)
+    status_code: str = "UNSET"  # "UNSET" | "ERROR" (OTel span status)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "trace_id": self.trace_id,
+            "span_id": self.span_id,
+            "parent_span_id": self.parent_span_id,
+            "name": self.name,
+            "kind": self.kind,
+            "start_time_unix_nano": self.start_time_unix_nano,
+            "end_time_unix_nano": self.end_time_unix_nano,
+            "attributes": dict(self.attributes),
+            "status": {"code": self.status_code},
+        }

@@ -1,0 +1,309 @@
+"""The tracing pipeline: records -> events -> connections -> HTTP exchanges -> spans.
+
+Everything it touches from outside is passed in: the event source (kernel ring
+or a recording), the span sink, the /proc reader, the clock. It never raises
+into its caller for bad input: a malformed record or byte stream is counted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from .events import ConnEvent, DataEvent, DecodeError, Kind, ProcEvent, Source, decode
+from .http1 import HttpConnParser, ParserStats
+from .loader import EventSource
+from .model import Chunk, ConnInfo, Exchange, Role, Span
+from .procfs import ProcFS
+from .spans import SpanBuilder
+
+SpanSink = Callable[[Span], None]
+# adds attributes to a span from other signals (TCP, CPU, GPU) before it leaves the tracer
+Annotator = Callable[[Exchange, Span], None]
+# takes raw records of a kind this module does not decode (tcp.c, sched.c, cuda.c records)
+RecordHandler = Callable[[bytes], None]
+
+# userspace-assigned ids (connections found in /proc at start) live above the kernel's counter
+PREFILL_ID_BASE = 1 << 62
+
+
+@dataclass(slots=True)
+class TracerStats:
+    records: int = 0
+    decode_errors: int = 0
+    spans: int = 0
+    spans_filtered: int = 0
+    conns_opened: int = 0
+    conns_closed: int = 0
+    conns_active: int = 0
+    orphan_data: int = 0  # data for a connection never seen opening (kept, conn made up)
+    parser: ParserStats = field(default_factory=ParserStats)
+
+
+@dataclass(slots=True)
+class _Conn:
+    info: ConnInfo
+    parser: HttpConnParser
+
+
+class Tracer:
+    def __init__(
+        self,
+        source: EventSource,
+        sink: SpanSink,
+        builder: SpanBuilder,
+        *,
+        procfs: ProcFS | None = None,
+        port: int | None = None,
+        on_process_exec: Callable[[int], None] | None = None,
+        on_process_exit: Callable[[int, list[int]], None] | None = None,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        idle_ns: int = 30_000_000_000,
+        annotators: Iterable[Annotator] = (),
+        handlers: dict[int, RecordHandler] | None = None,
+    ) -> None:
+        self.source = source
+        self.sink = sink
+        self.builder = builder
+        self.procfs = procfs or ProcFS()
+        self.port = port
+        self.stats = TracerStats()
+        self._conns: dict[int, _Conn] = {}
+        self._tls_streams: dict[tuple[int, int], _Conn] = {}
+        self._by_pid: dict[int, set[int]] = {}
+        self._listeners: dict[tuple[int, int], tuple[str, int]] = {}
+        self._exe: dict[int, str] = {}
+        self._on_exec = on_process_exec
+        self._on_exit = on_process_exit
+        self._now = monotonic_ns
+        self._idle_ns = idle_ns
+        self._next_sweep = 0
+        self._prefill_id = PREFILL_ID_BASE
+        self.annotators: list[Annotator] = list(annotators)
+        self.handlers: dict[int, RecordHandler] = dict(handlers or {})
+
+    # ---- driving ----
+
+    def poll(self, timeout_ms: int = 50) -> int:
+        recs = self.source.read(timeout_ms)
+        self.process(recs)
+        now = self._now()
+        if now >= self._next_sweep:
+            self.sweep(now)
+            self._next_sweep = now + 1_000_000_000
+        return len(recs)
+
+    def process(self, records: Iterable[bytes]) -> None:
+        handlers = self.handlers
+        for raw in records:
+            self.stats.records += 1
+            if handlers and len(raw) >= 4:
+                h = handlers.get(int.from_bytes(raw[:4], "little"))
+                if h is not None:
+                    h(raw)
+                    continue
+            try:
+                ev = decode(raw)
+            except DecodeError:
+                self.stats.decode_errors += 1
+                continue
+            if isinstance(ev, DataEvent):
+                self._on_data(ev)
+            elif isinstance(ev, ConnEvent):
+                self._on_conn(ev)
+            else:
+                self._on_proc(ev)
+
+    def sweep(self, now_ns: int) -> None:
+        """Let parsers give up on exchanges stuck longer than idle_ns."""
+        for c in list(self._conns.values()) + list(self._tls_streams.values()):
+            c.parser.flush_idle(now_ns, self._idle_ns)
+
+    def close_all(self) -> None:
+        """Graceful stop: every pending exchange is emitted."""
+        now = self._now()
+        for c in list(self._conns.values()) + list(self._tls_streams.values()):
+            c.parser.close(now)
+        self._conns.clear()
+        self._tls_streams.clear()
+        self._by_pid.clear()
+        self.stats.conns_active = 0
+
+    # ---- connections ----
+
+    def _new_conn(self, info: ConnInfo) -> _Conn:
+        return _Conn(info, HttpConnParser(info, self._emit, stats=self.stats.parser))
+
+    def _exe_name(self, pid: int, comm: str) -> str:
+        name = self._exe.get(pid)
+        if name is None:
+            name = self.procfs.exe_name(pid) or comm
+            self._exe[pid] = name
+        return name
+
+    def _listener(self, pid: int, lfd: int) -> tuple[str, int]:
+        key = (pid, lfd)
+        hit = self._listeners.get(key)
+        if hit is None:
+            hit = ("", 0)
+            ino = self.procfs.socket_inode(pid, lfd) if lfd >= 0 else None
+            if ino is not None:
+                sock = self.procfs.tcp_sockets(pid).get(ino)
+                if sock is not None:
+                    hit = (sock.local_address, sock.local_port)
+            self._listeners[key] = hit
+        return hit
+
+    def _on_conn(self, ev: ConnEvent) -> None:
+        if ev.kind is Kind.CONN_OPEN:
+            info = ConnInfo(conn_id=ev.conn_id, pid=ev.pid, fd=ev.fd, role=ev.role,
+                            opened_ns=ev.ts_ns, peer_address=ev.peer_address,
+                            peer_port=ev.peer_port, comm=self._exe_name(ev.pid, ev.comm))
+            if ev.role is Role.SERVER:
+                info.local_address, info.local_port = self._listener(ev.pid, ev.listen_fd)
+            self._add(info)
+            return
+        c = self._conns.pop(ev.conn_id, None)
+        if c is None:
+            return
+        self.stats.conns_closed += 1
+        self.stats.conns_active = len(self._conns)
+        self._by_pid.get(ev.pid, set()).discard(ev.conn_id)
+        if ev.tls or c.info.tls:
+            c.info.tls = True
+            self._drop_tls_streams(ev.pid, c.info)
+        c.parser.close(ev.ts_ns)
+
+    def _add(self, info: ConnInfo) -> _Conn:
+        c = self._new_conn(info)
+        old = self._conns.pop(info.conn_id, None)
+        if old is not None:
+            old.parser.close(info.opened_ns)
+        self._conns[info.conn_id] = c
+        self._by_pid.setdefault(info.pid, set()).add(info.conn_id)
+        self.stats.conns_opened += 1
+        self.stats.conns_active = len(self._conns)
+        return c
+
+    def _drop_tls_streams(self, pid: int, info: ConnInfo) -> None:
+        for key in [k for k, s in self._tls_streams.items() if s.info is info]:
+            del self._tls_streams[key]
+
+    def _on_proc(self, ev: ProcEvent) -> None:
+        if ev.kind is Kind.PROC_EXEC:
+            self._exe.pop(ev.pid, None)
+            if self._on_exec is not None:
+                self._on_exec(ev.pid)
+            return
+        ids = self._by_pid.pop(ev.pid, set())
+        fds = []
+        for cid in ids:
+            c = self._conns.pop(cid, None)
+            if c is not None:
+                fds.append(c.info.fd)
+                c.parser.close(ev.ts_ns)
+        for key in [k for k in self._tls_streams if k[0] == ev.pid]:
+            self._tls_streams.pop(key).parser.close(ev.ts_ns)
+        self._exe.pop(ev.pid, None)
+        self._listeners = {k: v for k, v in self._listeners.items() if k[0] != ev.pid}
+        self.stats.conns_active = len(self._conns)
+        if self._on_exit is not None and fds:
+            self._on_exit(ev.pid, fds)
+
+    # ---- data ----
+
+    def _conn_for(self, ev: DataEvent) -> _Conn:
+        if ev.conn_id:
+            c = self._conns.get(ev.conn_id)
+            if c is not None:
+                return c
+            self.stats.orphan_data += 1
+            info = ConnInfo(conn_id=ev.conn_id, pid=ev.pid, fd=ev.fd, role=ev.role,
+                            comm=self._exe_name(ev.pid, ""))
+            return self._add(info)
+        # TLS plaintext whose socket is unknown: one stream per SSL*
+        key = (ev.pid, ev.ssl)
+        c = self._tls_streams.get(key)
+        if c is None:
+            info = ConnInfo(conn_id=0, pid=ev.pid, fd=-1, role=ev.role, tls=True,
+                            comm=self._exe_name(ev.pid, ""))
+            c = self._new_conn(info)
+            self._tls_streams[key] = c
+        return c
+
+    def _on_data(self, ev: DataEvent) -> None:
+        c = self._conn_for(ev)
+        if ev.source == Source.TLS:
+            if not c.info.tls:
+                # the handshake's ciphertext came first: start over on the plaintext
+                c.info.tls = True
+                c.parser = HttpConnParser(c.info, self._emit, stats=self.stats.parser)
+        elif c.info.tls:
+            return  # ciphertext of a TLS connection: its plaintext comes from the uprobes
+        c.parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length))
+
+    # ---- spans ----
+
+    def _emit(self, ex: Exchange) -> None:
+        if self.port is not None:
+            port = ex.conn.local_port if ex.conn.role is Role.SERVER else ex.conn.peer_port
+            if port != self.port:
+                self.stats.spans_filtered += 1
+                return
+        span = self.builder.build(ex)
+        for annotate in self.annotators:
+            annotate(ex, span)
+        self.stats.spans += 1
+        self.sink(span)
+
+    # ---- connections open before the agent ----
+
+    def prefill(self, pids: Iterable[int], register: Callable[[int, int, int, int], None]) -> int:
+        """Register established TCP connections of `pids` found in /proc; returns how many."""
+        n = 0
+        for pid in pids:
+            fds = self.procfs.socket_fds(pid)
+            if not fds:
+                continue
+            socks = self.procfs.tcp_sockets(pid)
+            listening = {s.local_port for s in socks.values() if s.state == 0x0A}
+            for fd, ino in fds.items():
+                s = socks.get(ino)
+                if s is None or s.state != 0x01:
+                    continue
+                role = Role.SERVER if s.local_port in listening else Role.CLIENT
+                self._prefill_id += 1
+                info = ConnInfo(conn_id=self._prefill_id, pid=pid, fd=fd, role=role,
+                                peer_address=s.remote_address, peer_port=s.remote_port,
+                                local_address=s.local_address, local_port=s.local_port,
+                                comm=self._exe_name(pid, ""))
+                register(pid, fd, info.conn_id, int(role))
+                self._add(info)
+                n += 1
+        return n
+
+
+class Rescans:
+    """Processes to look at again for new libraries, at growing delays after exec
+    (interpreters load libssl late, when the program first imports ssl)."""
+
+    DELAYS_S = (0.2, 1.0, 5.0, 20.0)
+
+    def __init__(self, check: Callable[[int], None],
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._heap: list[tuple[float, int, int]] = []
+        self._check = check
+        self._now = monotonic
+
+    def schedule(self, pid: int) -> None:
+        t = self._now()
+        for i, d in enumerate(self.DELAYS_S):
+            heapq.heappush(self._heap, (t + d, pid, i))
+
+    def run_due(self) -> None:
+        now = self._now()
+        while self._heap and self._heap[0][0] <= now:
+            _, pid, _ = heapq.heappop(self._heap)
+            self._check(pid)

@@ -1,0 +1,169 @@
+"""Probes declared as data, checked against the running kernel, attached in one loop.
+
+Each probe names its program, its attach point and whether the agent can run
+without it. Tracepoints are checked in tracefs before compiling (a missing
+optional one is compiled out through a -D flag; a missing required one stops
+start-up with the reason); uprobes are attached after loading, per library
+found, and a library that lacks a symbol is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Tracepoint:
+    category: str
+    event: str
+    group: str
+    required: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.category}:{self.event}"
+
+    @property
+    def disable_define(self) -> str:
+        """The -D flag that compiles this probe out when the kernel lacks it."""
+        return f"SITS_NO_{self.category.upper()}_{self.event.upper()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Uprobe:
+    symbol: str
+    fn_enter: str
+    fn_exit: str
+    group: str
+    library: str  # short name: "libssl", "libcuda"
+    required: bool = False
+
+
+def _syscall_pair(name: str, group: str = "http", required: bool = True) -> list[Tracepoint]:
+    return [
+        Tracepoint("syscalls", f"sys_enter_{name}", group, required),
+        Tracepoint("syscalls", f"sys_exit_{name}", group, required),
+    ]
+
+
+HTTP_TRACEPOINTS: tuple[Tracepoint, ...] = tuple(
+    [tp for n in ("accept4", "connect", "close", "read", "write", "recvfrom", "sendto")
+     for tp in _syscall_pair(n)]
+    + [tp for n in ("accept", "readv", "writev", "recvmsg", "sendmsg", "sendfile64")
+       for tp in _syscall_pair(n, required=False)]
+    + [Tracepoint("sched", "sched_process_exec", "proc", False),
+       Tracepoint("sched", "sched_process_exit", "proc", False),
+       Tracepoint("sched", "sched_process_fork", "proc", False)]
+)
+
+TLS_UPROBES: tuple[Uprobe, ...] = (
+    Uprobe("SSL_read", "sits_ssl_read_enter", "sits_ssl_exit", "tls", "libssl"),
+    Uprobe("SSL_write", "sits_ssl_write_enter", "sits_ssl_exit", "tls", "libssl"),
+    Uprobe("SSL_read_ex", "sits_ssl_read_ex_enter", "sits_ssl_exit", "tls", "libssl"),
+    Uprobe("SSL_write_ex", "sits_ssl_write_ex_enter", "sits_ssl_exit", "tls", "libssl"),
+)
+
+
+@dataclass(slots=True)
+class ProbeStatus:
+    """What happened to one probe: shown by `doctor` and exported as agent metrics."""
+
+    name: str
+    group: str
+    required: bool
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class ProbeReport:
+    statuses: list[ProbeStatus] = field(default_factory=list)
+
+    def add(self, st: ProbeStatus) -> None:
+        self.statuses.append(st)
+
+    def failed_required(self) -> list[ProbeStatus]:
+        return [s for s in self.statuses if s.required and not s.ok]
+
+
+class ProbeError(RuntimeError):
+    """A required probe cannot be attached; the message says why and what to do."""
+
+
+def tracefs_root(candidates: Sequence[str] = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+                 ) -> Path | None:
+    for c in candidates:
+        if (Path(c) / "events").is_dir():
+            return Path(c)
+    return None
+
+
+def check_tracepoints(tps: Iterable[Tracepoint], root: Path | None, report: ProbeReport
+                      ) -> list[str]:
+    """Record each tracepoint's presence; return the -D defines for missing optional ones."""
+    defines: list[str] = []
+    for tp in tps:
+        present = root is not None and (root / "events" / tp.category / tp.event / "id").exists()
+        detail = "" if present else "not in tracefs"
+        report.add(ProbeStatus(tp.name, tp.group, tp.required, present, detail))
+        if not present and not tp.required:
+            defines.append(tp.disable_define)
+    return defines
+
+
+def elf_has_symbol(path: str, symbol: str) -> bool:
+    """Does the ELF file name `symbol` in its string tables (a cheap check for doctor;
+    attaching is the real test)?"""
+    return _dynsym_contains(path, symbol)
+
+
+def _dynsym_contains(path: str, symbol: str) -> bool:
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return False
+    return (b"\x00" + symbol.encode() + b"\x00") in data
+
+
+def find_libraries(short: str, proc_root: str = "/proc", extra: Sequence[str] = ()) -> list[str]:
+    """Paths of a shared library (e.g. libssl) on the system and mapped by running processes."""
+    found: dict[str, None] = {}
+    for p in extra:
+        if os.path.exists(p):
+            found[os.path.realpath(p)] = None
+    for d in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+              "/usr/lib64", "/usr/lib", "/usr/local/lib", "/usr/local/nvidia/lib64"):
+        for p in sorted(Path(d).glob(f"{short}.so*")) if os.path.isdir(d) else ():
+            if p.is_file():
+                found[os.path.realpath(p)] = None
+    for pid in _pids(proc_root):
+        for p in mapped_libraries(pid, short, proc_root):
+            found[p] = None
+    return list(found)
+
+
+def _pids(proc_root: str) -> list[int]:
+    try:
+        return [int(n) for n in os.listdir(proc_root) if n.isdigit()]
+    except OSError:
+        return []
+
+
+def mapped_libraries(pid: int, short: str, proc_root: str = "/proc") -> list[str]:
+    """Files named like `short`.so* that process `pid` maps (its own view of the path)."""
+    out: dict[str, None] = {}
+    try:
+        with open(f"{proc_root}/{pid}/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
+                base = os.path.basename(path)
+                if base.startswith(short + ".so") or base.startswith(short + "-"):
+                    host_path = f"{proc_root}/{pid}/root{path}"
+                    real = path if os.path.exists(path) else host_path
+                    out[os.path.realpath(real)] = None
+    except OSError:
+        pass
+    return list(out)

@@ -1,0 +1,198 @@
+/* Event records and maps shared by every sits-trace program.
+ *
+ * Layout rules: a kind field first, then the largest fields first, explicit
+ * _pad, never packed. agent/events.py mirrors these structs with ctypes and a
+ * test checks both against what BCC derives from this file.
+ *
+ * All programs write to one ring buffer, `events`. Wakeups are batched: a record
+ * is committed without waking the reader unless the ring is filling up
+ * (SITS_WAKEUP_BYTES), and the agent polls on a short timer. Every failed
+ * reserve/output is counted in `lost`, indexed by event kind.
+ */
+#ifndef SITS_EVENTS_H
+#define SITS_EVENTS_H
+
+#include <uapi/linux/ptrace.h>
+#include <linux/sched.h>
+
+#ifndef SITS_RINGBUF_PAGES
+#define SITS_RINGBUF_PAGES 4096 /* 16 MiB with 4 KiB pages */
+#endif
+#ifndef SITS_MAX_PAYLOAD
+#define SITS_MAX_PAYLOAD 4096 /* bytes captured per read/write; a power of two */
+#endif
+#ifndef SITS_AGENT_PID
+#define SITS_AGENT_PID 0
+#endif
+#ifndef SITS_MAX_CONNS
+#define SITS_MAX_CONNS 65536
+#endif
+#ifndef SITS_WAKEUP_EVERY
+#define SITS_WAKEUP_EVERY 64 /* records per CPU between reader wakeups */
+#endif
+#ifndef SITS_FILTER_PIDS
+#define SITS_FILTER_PIDS 0 /* 1: only processes in `target_pids` */
+#endif
+
+enum sits_kind {
+    EV_CONN_OPEN = 1,
+    EV_CONN_CLOSE = 2,
+    EV_DATA = 3,
+    EV_PROC_EXEC = 4,
+    EV_PROC_EXIT = 5,
+    /* 6..7: tcp.c, 8: sched.c, 9..11: cuda.c (node signals) */
+    EV_KIND_MAX = 16,
+};
+
+enum sits_source {
+    SRC_SYSCALL = 0,
+    SRC_TLS = 1,
+    SRC_SENDFILE = 2, /* bytes moved, none captured */
+};
+
+enum sits_role {
+    ROLE_UNKNOWN = 0,
+    ROLE_SERVER = 1,
+    ROLE_CLIENT = 2,
+};
+
+/* EV_CONN_OPEN / EV_CONN_CLOSE */
+struct conn_event {
+    __u32 kind;
+    __u32 tgid;
+    __u64 conn_id;
+    __u64 ts_ns;
+    __u64 bytes_in;  /* close: bytes read over the connection's life */
+    __u64 bytes_out; /* close: bytes written */
+    __u32 tid;
+    __s32 fd;
+    __s32 listen_fd; /* accept: the listening socket; -1 otherwise */
+    __u16 family;    /* AF_INET / AF_INET6 / 0 when unknown */
+    __u16 peer_port; /* host byte order */
+    __u8 peer_addr[16];
+    char comm[TASK_COMM_LEN];
+    __u8 role;
+    __u8 tls;
+    __u8 _pad[6];
+};
+
+/* EV_DATA: one read or write on a traced connection, with its payload prefix */
+struct data_event {
+    __u32 kind;
+    __u32 tgid;
+    __u64 conn_id;
+    __u64 ts_enter_ns;
+    __u64 ts_exit_ns;
+    __u64 ssl; /* SSL* for TLS plaintext, 0 otherwise */
+    __u32 tid;
+    __s32 fd;
+    __u32 len;      /* bytes that really moved */
+    __u32 captured; /* bytes of payload that follow */
+    __u8 direction; /* 0 ingress (read), 1 egress (write) */
+    __u8 source;    /* enum sits_source */
+    __u8 role;
+    __u8 _pad[5];
+    char payload[SITS_MAX_PAYLOAD];
+};
+#define DATA_HDR_SIZE (sizeof(struct data_event) - SITS_MAX_PAYLOAD)
+
+/* EV_PROC_EXEC / EV_PROC_EXIT: lets the agent find libraries in new processes */
+struct proc_event {
+    __u32 kind;
+    __u32 tgid;
+    __u64 ts_ns;
+    char comm[TASK_COMM_LEN];
+};
+
+/* A traced connection: key (tgid << 32 | fd) */
+struct conn_state {
+    __u64 conn_id;
+    __u64 bytes_in;
+    __u64 bytes_out;
+    __u64 ssl;
+    __u8 role;
+    __u8 tls;
+    __u8 _pad[6];
+};
+
+BPF_RINGBUF_OUTPUT(events, SITS_RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(lost, __u64, EV_KIND_MAX);
+BPF_PERCPU_ARRAY(seen, __u64, EV_KIND_MAX);
+BPF_HASH(conns, __u64, struct conn_state, SITS_MAX_CONNS);
+BPF_HASH(target_pids, __u32, __u8, 1024);
+BPF_ARRAY(next_conn_id, __u64, 1);
+/* scratch for building EV_DATA: the slack lets the verifier accept an iovec copy at
+ * a variable offset (offset and size each masked below SITS_MAX_PAYLOAD) */
+struct data_scratch_t {
+    struct data_event ev;
+    char slack[SITS_MAX_PAYLOAD];
+};
+BPF_PERCPU_ARRAY(data_scratch, struct data_scratch_t, 1);
+BPF_PERCPU_ARRAY(since_wakeup, __u64, 1);
+
+static __always_inline __u64 conn_key(__u32 tgid, int fd)
+{
+    return ((__u64)tgid << 32) | (__u32)fd;
+}
+
+static __always_inline void count_lost(int kind)
+{
+    int k = kind;
+    __u64 *v = lost.lookup(&k);
+    if (v)
+        (*v)++;
+}
+
+static __always_inline void count_seen(int kind)
+{
+    int k = kind;
+    __u64 *v = seen.lookup(&k);
+    if (v)
+        (*v)++;
+}
+
+/* Wake the reader once every SITS_WAKEUP_EVERY records per CPU; the agent also
+ * drains the ring on a short timer, so a quiet ring never waits long. */
+static __always_inline __u64 wakeup_flag(void)
+{
+    int zero = 0;
+    __u64 *n = since_wakeup.lookup(&zero);
+    if (!n)
+        return 0;
+    if (++(*n) < SITS_WAKEUP_EVERY)
+        return BPF_RB_NO_WAKEUP;
+    *n = 0;
+    return BPF_RB_FORCE_WAKEUP;
+}
+
+/* Send one record; count it as seen, or as lost when the ring is full. */
+static __always_inline void submit(void *rec, __u64 size, int kind)
+{
+    __u64 flags = wakeup_flag();
+    count_seen(kind);
+    if (events.ringbuf_output(rec, size, flags) < 0)
+        count_lost(kind);
+}
+
+/* Should events of this process be traced at all? */
+static __always_inline int traced_tgid(__u32 tgid)
+{
+    if (tgid == SITS_AGENT_PID)
+        return 0;
+#if SITS_FILTER_PIDS
+    if (!target_pids.lookup(&tgid))
+        return 0;
+#endif
+    return 1;
+}
+
+static __always_inline __u64 new_conn_id(void)
+{
+    int zero = 0;
+    __u64 *ctr = next_conn_id.lookup(&zero);
+    if (!ctr)
+        return 0;
+    return __sync_fetch_and_add(ctr, 1) + 1;
+}
+
+#endif /* SITS_EVENTS_H */

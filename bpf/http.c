@@ -1,0 +1,472 @@
+/* Plaintext socket I/O of traced processes, through syscall tracepoints.
+ *
+ * accept/accept4 and connect register a connection (tgid, fd) in `conns`;
+ * read/readv/recvfrom/recvmsg and write/writev/sendto/sendmsg/sendfile on a
+ * registered fd emit EV_DATA with up to SITS_MAX_PAYLOAD bytes of payload; close
+ * emits EV_CONN_CLOSE. Reads and writes on any other fd cost one hash lookup.
+ * No kernel struct is read (addresses come from the syscalls' own user
+ * buffers), so the program needs no headers matching the running kernel.
+ * While a thread is inside SSL_read/SSL_write (tls.c), the ciphertext it moves
+ * is not emitted: tls.c emits the plaintext instead.
+ */
+#include "events.h"
+
+#ifndef AF_INET
+#define AF_INET 2
+#endif
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif
+#define SITS_MAX_IOV 8
+
+struct accept_args {
+    __u64 addr; /* struct sockaddr __user * */
+    __s32 listen_fd;
+    __u32 _pad;
+};
+
+struct connect_args {
+    __u64 addr;
+    __s32 fd;
+    __u32 _pad;
+};
+
+/* a read/write in flight on a traced fd */
+struct io_args {
+    __u64 buf;    /* buffer, or struct iovec array when iov */
+    __u64 ts_ns;  /* at syscall entry */
+    __u64 conn;   /* conn key */
+    __u32 iovcnt; /* 0: plain buffer */
+    __u8 direction;
+    __u8 source;
+    __u8 _pad[2];
+};
+
+struct ssl_active {
+    __u64 ssl;
+    __u64 buf;
+    __u64 out_len; /* size_t * for the _ex variants, 0 otherwise */
+    __u64 ts_ns;
+    __u8 direction;
+    __u8 _pad[7];
+};
+
+BPF_HASH(accept_inflight, __u64, struct accept_args, 10240);
+BPF_HASH(connect_inflight, __u64, struct connect_args, 10240);
+BPF_HASH(io_inflight, __u64, struct io_args, 10240);
+/* per thread: SSL call in progress (set by tls.c) */
+BPF_HASH(ssl_inflight, __u64, struct ssl_active, 10240);
+/* per thread: last traced fd read from, for memory-BIO TLS (asyncio) */
+BPF_HASH(last_read_fd, __u64, __u64, 10240);
+/* SSL* -> conn key */
+BPF_HASH(ssl_conns, __u64, __u64, SITS_MAX_CONNS);
+
+static __always_inline void read_sockaddr(struct conn_event *ev, __u64 uaddr)
+{
+    __u16 family = 0;
+    if (!uaddr)
+        return;
+    bpf_probe_read_user(&family, sizeof(family), (void *)uaddr);
+    ev->family = family;
+    if (family == AF_INET) {
+        __u16 port = 0;
+        bpf_probe_read_user(&port, sizeof(port), (void *)(uaddr + 2));
+        ev->peer_port = __builtin_bswap16(port);
+        bpf_probe_read_user(ev->peer_addr, 4, (void *)(uaddr + 4));
+    } else if (family == AF_INET6) {
+        __u16 port = 0;
+        bpf_probe_read_user(&port, sizeof(port), (void *)(uaddr + 2));
+        ev->peer_port = __builtin_bswap16(port);
+        bpf_probe_read_user(ev->peer_addr, 16, (void *)(uaddr + 8));
+    }
+}
+
+static __always_inline void emit_conn(int kind, __u32 tgid, int fd, struct conn_state *st,
+                                      __u64 uaddr, int listen_fd)
+{
+    struct conn_event ev = {};
+    ev.kind = kind;
+    ev.tgid = tgid;
+    ev.tid = (__u32)bpf_get_current_pid_tgid();
+    ev.fd = fd;
+    ev.listen_fd = listen_fd;
+    ev.conn_id = st->conn_id;
+    ev.ts_ns = bpf_ktime_get_ns();
+    ev.bytes_in = st->bytes_in;
+    ev.bytes_out = st->bytes_out;
+    ev.role = st->role;
+    ev.tls = st->tls;
+    bpf_get_current_comm(&ev.comm, sizeof(ev.comm));
+    read_sockaddr(&ev, uaddr);
+    submit(&ev, sizeof(ev), kind);
+}
+
+static __always_inline void register_conn(__u32 tgid, int fd, __u8 role, __u64 uaddr, int lfd)
+{
+    struct conn_state st = {};
+    __u64 key = conn_key(tgid, fd);
+    st.conn_id = new_conn_id();
+    st.role = role;
+    conns.update(&key, &st);
+    emit_conn(EV_CONN_OPEN, tgid, fd, &st, uaddr, lfd);
+}
+
+/* ---- accept / accept4 ---- */
+
+static __always_inline int on_accept_enter(int lfd, __u64 uaddr)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    if (!traced_tgid(id >> 32))
+        return 0;
+    struct accept_args a = {.addr = uaddr, .listen_fd = lfd};
+    accept_inflight.update(&id, &a);
+    return 0;
+}
+
+static __always_inline int on_accept_exit(long ret)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    struct accept_args *a = accept_inflight.lookup(&id);
+    if (!a)
+        return 0;
+    if (ret >= 0)
+        register_conn(id >> 32, (int)ret, ROLE_SERVER, a->addr, a->listen_fd);
+    accept_inflight.delete(&id);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_accept4)
+{
+    return on_accept_enter(args->fd, (__u64)args->upeer_sockaddr);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_accept4)
+{
+    return on_accept_exit(args->ret);
+}
+
+#ifndef SITS_NO_SYSCALLS_SYS_ENTER_ACCEPT
+TRACEPOINT_PROBE(syscalls, sys_enter_accept)
+{
+    return on_accept_enter(args->fd, (__u64)args->upeer_sockaddr);
+}
+#endif
+
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_ACCEPT
+TRACEPOINT_PROBE(syscalls, sys_exit_accept)
+{
+    return on_accept_exit(args->ret);
+}
+#endif
+
+/* ---- connect ---- */
+
+TRACEPOINT_PROBE(syscalls, sys_enter_connect)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    if (!traced_tgid(id >> 32))
+        return 0;
+    __u16 family = 0;
+    bpf_probe_read_user(&family, sizeof(family), (void *)args->uservaddr);
+    if (family != AF_INET && family != AF_INET6)
+        return 0;
+    struct connect_args c = {.addr = (__u64)args->uservaddr, .fd = args->fd};
+    connect_inflight.update(&id, &c);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_connect)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    struct connect_args *c = connect_inflight.lookup(&id);
+    if (!c)
+        return 0;
+    /* non-blocking connect returns -EINPROGRESS (-115) and completes later */
+    if (args->ret == 0 || args->ret == -115)
+        register_conn(id >> 32, c->fd, ROLE_CLIENT, c->addr, -1);
+    connect_inflight.delete(&id);
+    return 0;
+}
+
+/* ---- close ---- */
+
+TRACEPOINT_PROBE(syscalls, sys_enter_close)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    __u32 tgid = id >> 32;
+    __u64 key = conn_key(tgid, args->fd);
+    struct conn_state *st = conns.lookup(&key);
+    if (!st)
+        return 0;
+    if (st->ssl) {
+        __u64 ssl = st->ssl;
+        ssl_conns.delete(&ssl);
+    }
+    emit_conn(EV_CONN_CLOSE, tgid, args->fd, st, 0, -1);
+    conns.delete(&key);
+    return 0;
+}
+
+/* ---- data ---- */
+
+static __always_inline int io_enter(int fd, __u64 buf, __u32 iovcnt, __u8 dir, __u8 src)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    __u64 key = conn_key(id >> 32, fd);
+    struct conn_state *st = conns.lookup(&key);
+    if (!st)
+        return 0;
+    struct io_args io = {
+        .buf = buf, .ts_ns = bpf_ktime_get_ns(), .conn = key, .iovcnt = iovcnt,
+        .direction = dir, .source = src,
+    };
+    io_inflight.update(&id, &io);
+    return 0;
+}
+
+/* copy up to SITS_MAX_PAYLOAD bytes from an iovec array into ev->payload */
+static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 iovcnt, __u64 total)
+{
+    __u64 off = 0;
+    for (int i = 0; i < SITS_MAX_IOV; i++) {
+        if (i >= iovcnt || off >= total || off >= SITS_MAX_PAYLOAD)
+            break;
+        __u64 base = 0, len = 0;
+        bpf_probe_read_user(&base, sizeof(base), (void *)(iov + i * 16));
+        bpf_probe_read_user(&len, sizeof(len), (void *)(iov + i * 16 + 8));
+        __u64 room = SITS_MAX_PAYLOAD - off;
+        if (len > room)
+            len = room;
+        if (len > total - off)
+            len = total - off;
+        if (len == 0)
+            continue;
+        __u64 o = off;
+        __u64 n = len;
+        /* keep the masks: the verifier must see both bounds at the call */
+        asm volatile("%0 &= %1" : "+r"(o) : "i"(SITS_MAX_PAYLOAD - 1));
+        asm volatile("%0 &= %1" : "+r"(n) : "i"(SITS_MAX_PAYLOAD - 1));
+        if (n == 0)
+            break; /* len == SITS_MAX_PAYLOAD only when off == 0: the buffer is full */
+        bpf_probe_read_user(ev->payload + o, n, (void *)base);
+        off += n;
+    }
+    return off;
+}
+
+static __always_inline void emit_data(struct data_event *ev, __u64 captured)
+{
+    __u64 n = captured;
+    if (n > SITS_MAX_PAYLOAD)
+        n = SITS_MAX_PAYLOAD;
+    asm volatile("" : "+r"(n));
+    if (n > SITS_MAX_PAYLOAD)
+        return; /* never: a bound the verifier can see on the register it checks */
+    ev->captured = n;
+    submit(ev, DATA_HDR_SIZE + n, EV_DATA);
+}
+
+static __always_inline struct data_event *data_event_init(__u64 id, __u64 conn_id, __u8 role)
+{
+    int zero = 0;
+    struct data_scratch_t *sc = data_scratch.lookup(&zero);
+    if (!sc)
+        return 0;
+    struct data_event *ev = &sc->ev;
+    ev->kind = EV_DATA;
+    ev->tgid = id >> 32;
+    ev->tid = (__u32)id;
+    ev->conn_id = conn_id;
+    ev->role = role;
+    ev->ssl = 0;
+    return ev;
+}
+
+static __always_inline int io_exit(long ret)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    struct io_args *io = io_inflight.lookup(&id);
+    if (!io)
+        return 0;
+    struct io_args a = *io;
+    io_inflight.delete(&id);
+    if (ret <= 0)
+        return 0;
+    struct conn_state *st = conns.lookup(&a.conn);
+    if (!st)
+        return 0;
+    if (a.direction == 0)
+        st->bytes_in += ret;
+    else
+        st->bytes_out += ret;
+    struct ssl_active *ssl = ssl_inflight.lookup(&id);
+    if (ssl) {
+        /* ciphertext under SSL_read/SSL_write: learn SSL* -> conn, emit nothing */
+        __u64 s = ssl->ssl;
+        ssl_conns.update(&s, &a.conn);
+        st->ssl = s;
+        st->tls = 1;
+        return 0;
+    }
+    if (a.direction == 0)
+        last_read_fd.update(&id, &a.conn);
+    if (st->tls)
+        return 0; /* a memory-BIO TLS connection: tls.c emits the plaintext */
+    struct data_event *ev = data_event_init(id, st->conn_id, st->role);
+    if (!ev)
+        return 0;
+    ev->fd = (__s32)(__u32)a.conn;
+    ev->ts_enter_ns = a.ts_ns;
+    ev->ts_exit_ns = bpf_ktime_get_ns();
+    ev->len = ret;
+    ev->direction = a.direction;
+    ev->source = a.source;
+    __u64 captured = 0;
+    if (a.source == SRC_SENDFILE) {
+        captured = 0;
+    } else if (a.iovcnt) {
+        captured = copy_iov(ev, a.buf, a.iovcnt, ret);
+    } else {
+        __u64 n = ret > SITS_MAX_PAYLOAD ? SITS_MAX_PAYLOAD : ret;
+        asm volatile("" : "+r"(n));
+        if (n > SITS_MAX_PAYLOAD)
+            return 0;
+        bpf_probe_read_user(ev->payload, n, (void *)a.buf);
+        captured = n;
+    }
+    emit_data(ev, captured);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_read)
+{
+    return io_enter(args->fd, (__u64)args->buf, 0, 0, SRC_SYSCALL);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom)
+{
+    return io_enter(args->fd, (__u64)args->ubuf, 0, 0, SRC_SYSCALL);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret); }
+
+#ifndef SITS_NO_SYSCALLS_SYS_ENTER_READV
+TRACEPOINT_PROBE(syscalls, sys_enter_readv)
+{
+    return io_enter(args->fd, (__u64)args->vec, args->vlen, 0, SRC_SYSCALL);
+}
+#endif
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_READV
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args->ret); }
+#endif
+
+TRACEPOINT_PROBE(syscalls, sys_enter_write)
+{
+    return io_enter(args->fd, (__u64)args->buf, 0, 1, SRC_SYSCALL);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_sendto)
+{
+    return io_enter(args->fd, (__u64)args->buff, 0, 1, SRC_SYSCALL);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret); }
+
+#ifndef SITS_NO_SYSCALLS_SYS_ENTER_WRITEV
+TRACEPOINT_PROBE(syscalls, sys_enter_writev)
+{
+    return io_enter(args->fd, (__u64)args->vec, args->vlen, 1, SRC_SYSCALL);
+}
+#endif
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_WRITEV
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret); }
+#endif
+
+#ifndef SITS_NO_SYSCALLS_SYS_ENTER_SENDFILE64
+TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64)
+{
+    return io_enter(args->out_fd, 0, 0, 1, SRC_SENDFILE);
+}
+#endif
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_SENDFILE64
+TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return io_exit(args->ret); }
+#endif
+
+/* msghdr: msg_iov at offset 16, msg_iovlen at 24 (x86-64 and arm64 alike) */
+static __always_inline int msg_enter(int fd, __u64 msg, __u8 dir)
+{
+    __u64 iov = 0, iovlen = 0;
+    if (!msg)
+        return 0;
+    bpf_probe_read_user(&iov, sizeof(iov), (void *)(msg + 16));
+    bpf_probe_read_user(&iovlen, sizeof(iovlen), (void *)(msg + 24));
+    if (!iov || !iovlen)
+        return 0;
+    return io_enter(fd, iov, (__u32)iovlen, dir, SRC_SYSCALL);
+}
+
+#ifndef SITS_NO_SYSCALLS_SYS_ENTER_RECVMSG
+TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg)
+{
+    return msg_enter(args->fd, (__u64)args->msg, 0);
+}
+#endif
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_RECVMSG
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret); }
+#endif
+
+#ifndef SITS_NO_SYSCALLS_SYS_ENTER_SENDMSG
+TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg)
+{
+    return msg_enter(args->fd, (__u64)args->msg, 1);
+}
+#endif
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_SENDMSG
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret); }
+#endif
+
+/* ---- processes: exec (new libraries to probe) and exit (forget state) ---- */
+
+static __always_inline void emit_proc(int kind)
+{
+    struct proc_event ev = {};
+    __u64 id = bpf_get_current_pid_tgid();
+    ev.kind = kind;
+    ev.tgid = id >> 32;
+    ev.ts_ns = bpf_ktime_get_ns();
+    bpf_get_current_comm(&ev.comm, sizeof(ev.comm));
+    submit(&ev, sizeof(ev), kind);
+}
+
+#ifndef SITS_NO_SCHED_SCHED_PROCESS_EXEC
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    emit_proc(EV_PROC_EXEC);
+    return 0;
+}
+#endif
+
+#ifndef SITS_NO_SCHED_SCHED_PROCESS_EXIT
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    if ((__u32)id != (id >> 32))
+        return 0; /* a thread, not the process */
+    emit_proc(EV_PROC_EXIT);
+    return 0;
+}
+#endif
+
+#ifndef SITS_NO_SCHED_SCHED_PROCESS_FORK
+/* --pid follows children: a traced process's new child is traced too */
+TRACEPOINT_PROBE(sched, sched_process_fork)
+{
+#if SITS_FILTER_PIDS
+    __u32 parent = args->parent_pid, child = args->child_pid;
+    __u8 one = 1;
+    if (target_pids.lookup(&parent))
+        target_pids.update(&child, &one);
+#endif
+    return 0;
+}
+#endif

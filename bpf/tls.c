@@ -1,0 +1,97 @@
+/* TLS plaintext through uprobes on OpenSSL: SSL_read, SSL_write, SSL_read_ex,
+ * SSL_write_ex (entry and return).
+ *
+ * An SSL* is tied to its connection in one of two ways:
+ *  - socket BIO (nginx, curl, CPython's blocking ssl): the read/write syscall
+ *    made inside the SSL call names the fd (http.c records SSL* -> conn);
+ *  - memory BIO (asyncio/uvicorn): no syscall inside the call; the thread's last
+ *    traced recv names the fd (the event loop recv()s the record, then SSL_read_ex
+ *    decrypts it on the same thread).
+ * Either way the connection is marked TLS and its ciphertext is no longer
+ * emitted. Costs one hash update per SSL call plus one EV_DATA record.
+ * Requires http.c (shares its maps).
+ */
+#include "events.h"
+
+static __always_inline int ssl_enter(struct pt_regs *ctx, __u8 dir, int ex)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    if (!traced_tgid(id >> 32))
+        return 0;
+    struct ssl_active a = {};
+    a.ssl = PT_REGS_PARM1(ctx);
+    a.buf = PT_REGS_PARM2(ctx);
+    a.out_len = ex ? PT_REGS_PARM4(ctx) : 0;
+    a.ts_ns = bpf_ktime_get_ns();
+    a.direction = dir;
+    ssl_inflight.update(&id, &a);
+    return 0;
+}
+
+/* the connection an SSL* belongs to, learning it from the last recv if needed */
+static __always_inline struct conn_state *ssl_conn(__u64 id, __u64 ssl, __u64 *key_out)
+{
+    __u64 *key = ssl_conns.lookup(&ssl);
+    if (!key) {
+        key = last_read_fd.lookup(&id);
+        if (!key)
+            return 0;
+        ssl_conns.update(&ssl, key);
+    }
+    __u64 k = *key;
+    struct conn_state *st = conns.lookup(&k);
+    if (!st)
+        return 0;
+    st->tls = 1;
+    st->ssl = ssl;
+    *key_out = k;
+    return st;
+}
+
+static __always_inline int ssl_exit(struct pt_regs *ctx)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    struct ssl_active *ap = ssl_inflight.lookup(&id);
+    if (!ap)
+        return 0;
+    struct ssl_active a = *ap;
+    ssl_inflight.delete(&id);
+    int rc = (int)PT_REGS_RC(ctx); /* SSL_* return int: the upper half of rax is not theirs */
+    __u64 len = 0;
+    if (a.out_len) {
+        if (rc != 1)
+            return 0;
+        bpf_probe_read_user(&len, sizeof(len), (void *)a.out_len);
+    } else {
+        if (rc <= 0)
+            return 0;
+        len = rc;
+    }
+    if (len == 0)
+        return 0;
+    __u64 key = 0;
+    struct conn_state *st = ssl_conn(id, a.ssl, &key);
+    struct data_event *ev = data_event_init(id, st ? st->conn_id : 0, st ? st->role : ROLE_UNKNOWN);
+    if (!ev)
+        return 0;
+    ev->fd = st ? (__s32)(__u32)key : -1;
+    ev->ssl = a.ssl;
+    ev->ts_enter_ns = a.ts_ns;
+    ev->ts_exit_ns = bpf_ktime_get_ns();
+    ev->len = len;
+    ev->direction = a.direction;
+    ev->source = SRC_TLS;
+    __u64 n = len > SITS_MAX_PAYLOAD ? SITS_MAX_PAYLOAD : len;
+    asm volatile("" : "+r"(n));
+    if (n > SITS_MAX_PAYLOAD)
+        return 0;
+    bpf_probe_read_user(ev->payload, n, (void *)a.buf);
+    emit_data(ev, n);
+    return 0;
+}
+
+int sits_ssl_read_enter(struct pt_regs *ctx) { return ssl_enter(ctx, 0, 0); }
+int sits_ssl_write_enter(struct pt_regs *ctx) { return ssl_enter(ctx, 1, 0); }
+int sits_ssl_read_ex_enter(struct pt_regs *ctx) { return ssl_enter(ctx, 0, 1); }
+int sits_ssl_write_ex_enter(struct pt_regs *ctx) { return ssl_enter(ctx, 1, 1); }
+int sits_ssl_exit(struct pt_regs *ctx) { return ssl_exit(ctx); }

@@ -1,0 +1,1 @@
+"""sits-trace exporters."""

@@ -1,0 +1,268 @@
+"""Real servers, clients and a real tracer for the integration tests (127.0.0.1 only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+VENV_BIN = Path(sys.executable).parent
+SITS = str(VENV_BIN / "sits-trace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def make_cert(d: Path) -> tuple[Path, Path]:
+    key, crt = d / "key.pem", d / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(crt)],
+        check=True, capture_output=True,
+    )
+    return key, crt
+
+
+class Tracer:
+    """`sits-trace trace --json` in a subprocess; spans collected as they are printed."""
+
+    def __init__(self, *args: str) -> None:
+        self.spans: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [SITS, "trace", "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, bufsize=1,
+        )
+        self.stderr_lines: list[str] = []
+        self._err = threading.Thread(target=self._read_err, daemon=True)
+        self._err.start()
+        self._out = threading.Thread(target=self._read_out, daemon=True)
+        self._out.start()
+        self._wait_ready()
+
+    def _read_out(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            span = json.loads(line)  # stdout holds JSON objects and nothing else
+            with self._lock:
+                self.spans.append(span)
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any("tracing" in line for line in self.stderr_lines):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError("tracer exited: " + "".join(self.stderr_lines))
+            time.sleep(0.05)
+        raise TimeoutError("tracer did not start: " + "".join(self.stderr_lines))
+
+    def matching(self, pred: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+        with self._lock:
+            return [s for s in self.spans if pred(s)]
+
+    def wait_for(self, pred: Callable[[dict[str, Any]], bool], count: int,
+                 timeout: float = 15.0) -> list[dict[str, Any]]:
+        """Spans matching pred once `count` arrived (and a short settle for extras)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.matching(pred)
+            if len(got) >= count:
+                time.sleep(0.3)  # a duplicate would show up now
+                return self.matching(pred)
+            time.sleep(0.05)
+        return self.matching(pred)
+
+    def by_request_id(self, rid: str, count: int = 1, timeout: float = 15.0) -> list[dict[str, Any]]:
+        return self.wait_for(
+            lambda s: s["attributes"].get("http.request.header.x-request-id") == rid, count, timeout)
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._out.join(timeout=5)
+        self._err.join(timeout=5)
+        return "".join(self.stderr_lines)
+
+
+class Nginx:
+    """nginx on 127.0.0.1 with HTTP and HTTPS and an access log that has $request_time."""
+
+    LOG_FORMAT = "'$http_x_request_id $status $request_time $request_method $request_uri'"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.http_port = free_port()
+        self.https_port = free_port()
+        key, crt = make_cert(root)
+        (root / "www").mkdir(exist_ok=True)
+        (root / "www" / "static.txt").write_bytes(b"s" * 20000)
+        self.access_log = root / "access.log"
+        conf = root / "nginx.conf"
+        conf.write_text(f"""
+worker_processes 1;
+daemon off;
+pid {root}/nginx.pid;
+error_log {root}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log {self.access_log} timing;
+    log_format timing {self.LOG_FORMAT};
+    client_body_temp_path {root}/body;
+    proxy_temp_path {root}/proxy;
+    fastcgi_temp_path {root}/fcgi;
+    uwsgi_temp_path {root}/uwsgi;
+    scgi_temp_path {root}/scgi;
+    keepalive_requests 100000;
+    sendfile on;
+    server {{
+        listen 127.0.0.1:{self.http_port};
+        listen 127.0.0.1:{self.https_port} ssl;
+        ssl_certificate {crt};
+        ssl_certificate_key {key};
+        root {root}/www;
+        location = / {{ return 200 "hello from nginx\\n"; }}
+        location = /missing {{ return 404; }}
+        location = /fail {{ return 503 "down\\n"; }}
+        location /static.txt {{ }}
+        location = /upload {{ client_max_body_size 10m; return 201 "stored\\n"; }}
+    }}
+}}
+""")
+        self.proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(root)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_port(self.http_port)
+        wait_port(self.https_port)
+
+    def pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [self.proc.pid] + [int(x) for x in out.stdout.split()]
+
+    def log_entries(self, rid: str) -> list[list[str]]:
+        time.sleep(0.1)
+        lines = self.access_log.read_text().splitlines() if self.access_log.exists() else []
+        return [line.split() for line in lines if line.split()[0] == rid]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+DEMO_SERVER = Path(__file__).resolve().parents[2] / "examples" / "demo_server.py"
+
+
+ASGI_APP = r'''
+import asyncio, sys
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    path = scope["path"]
+    if path == "/sse":
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        for i in range(5):
+            await send({"type": "http.response.body", "body": b"data: token %d\n\n" % i, "more_body": True})
+            await asyncio.sleep(0.05)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    if path.startswith("/status/"):
+        code = int(path.split("/")[2])
+        body = b"status %d\n" % code
+    else:
+        code, body = 200, b'{"ok": true}'
+    await send({"type": "http.response.start", "status": code,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+'''
+
+
+@contextmanager
+def python_server(tls: bool = False) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        args = [sys.executable, str(DEMO_SERVER), str(port)]
+        if tls:
+            key, crt = make_cert(Path(d))
+            args += [str(key), str(crt)]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE)
+        try:
+            wait_port(port)
+            yield port, proc
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+@contextmanager
+def uvicorn_server() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        key, crt = make_cert(Path(d))
+        (Path(d) / "sseapp.py").write_text(ASGI_APP)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "sseapp:app", "--host", "127.0.0.1", "--port", str(port),
+             "--ssl-keyfile", str(key), "--ssl-certfile", str(crt), "--log-level", "warning",
+             "--no-access-log"],
+            cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        try:
+            wait_port(port, timeout=20)
+            yield port, proc
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def curl(url: str, *args: str, rid: str | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = ["curl", "-sk", "--max-time", "10", url, *args]
+    if rid:
+        cmd += ["-H", f"x-request-id: {rid}"]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
+def have(cmd: str) -> bool:
+    return shutil.which(cmd) is not None
+
+
+def env_with_path() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    return env
