@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,12 +89,24 @@ def _headers() -> Check:
                  f"install linux-headers-$(uname -r) or {SETUP_HINT} (links Debian's)", core=True)
 
 
-def _tracepoint(tp: Tracepoint) -> Check:
-    root = tracefs_root()
-    ok = root is not None and (root / "events" / tp.category / tp.event / "id").exists()
-    return Check(f"tracepoint {tp.name}", ok, tp.group if ok else "missing",
-                 "needs CONFIG_FTRACE_SYSCALLS" if tp.category == "syscalls" else "",
-                 core=tp.required)
+def tracepoint_checks(tps: Sequence[Tracepoint], root: Path | None) -> list[Check]:
+    """One row per probe group: how many of its tracepoints exist, naming the missing."""
+    groups: dict[str, list[Tracepoint]] = {}
+    for tp in tps:
+        groups.setdefault(tp.group, []).append(tp)
+    out = []
+    for group, members in groups.items():
+        missing = [tp for tp in members
+                   if root is None or not (root / "events" / tp.category / tp.event / "id").exists()]
+        detail = f"{len(members) - len(missing)}/{len(members)} present"
+        if missing:
+            detail += "; missing " + ", ".join(tp.name for tp in missing)
+        fix = "needs CONFIG_FTRACE_SYSCALLS" if any(tp.category == "syscalls" for tp in missing) \
+            else "optional: this kernel lacks them; the agent runs without"
+        # a group fails the agent only when a required tracepoint of it is missing
+        out.append(Check(f"tracepoints ({group})", not missing, detail, fix,
+                         core=any(tp.required for tp in missing)))
+    return out
 
 
 def _libssl() -> list[Check]:
@@ -147,7 +160,7 @@ EXTRA_CHECKS: list[Callable[[], list[Check]]] = []  # other stages add theirs (C
 
 def run_checks() -> list[Check]:
     checks = [_privileges(), _bcc(), _bpf_syscall(), _btf(), _tracefs(), _headers()]
-    checks += [_tracepoint(tp) for tp in HTTP_TRACEPOINTS]
+    checks += tracepoint_checks(HTTP_TRACEPOINTS, tracefs_root())
     checks += _libssl()
     for extra in EXTRA_CHECKS:
         checks += extra()
@@ -165,4 +178,5 @@ def render(checks: list[Check]) -> None:
     for c in checks:
         mark = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.core else "[yellow]missing[/]")
         t.add_row(c.name, mark, c.detail, "" if c.ok else c.fix)
-    Console().print(t)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console.print(t)

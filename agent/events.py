@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import ipaddress
+import struct
 from dataclasses import dataclass
 
 from .model import Direction, Role
@@ -23,6 +24,7 @@ class Kind(enum.IntEnum):
     DATA = 3
     PROC_EXEC = 4
     PROC_EXIT = 5
+    TCP_EVENT = 6  # decoded by netsignals.py
 
 
 class Source(enum.IntEnum):
@@ -69,7 +71,8 @@ class DataEventHdrC(ctypes.Structure):
         ("direction", ctypes.c_uint8),
         ("source", ctypes.c_uint8),
         ("role", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 5),
+        ("_pad", ctypes.c_uint8),
+        ("runq_us", ctypes.c_uint32),
     ]
 
 
@@ -83,6 +86,7 @@ class ProcEventC(ctypes.Structure):
 
 
 DATA_HDR_SIZE = ctypes.sizeof(DataEventHdrC)
+_DATA_KIND = (3).to_bytes(4, "little")
 AF_INET = 2
 AF_INET6 = 10
 
@@ -119,6 +123,7 @@ class DataEvent:
     source: Source
     role: Role
     payload: bytes
+    runq_us: int = 0  # the thread's run-queue wait so far, mod 2**32 microseconds (sched.c)
 
 
 @dataclass(slots=True)
@@ -157,16 +162,25 @@ def _decode_conn(raw: bytes) -> ConnEvent:
     )
 
 
+_DATA_HDR = struct.Struct("<IIQQQQIiIIBBBxI")  # = DataEventHdrC, checked by a test
+_DIRECTIONS = tuple(Direction)
+_SOURCES = tuple(Source)
+_ROLES = tuple(Role)
+
+
 def _decode_data(raw: bytes) -> DataEvent:
-    h = DataEventHdrC.from_buffer_copy(raw[:DATA_HDR_SIZE])
-    end = DATA_HDR_SIZE + h.captured
-    if end > len(raw) or h.captured > h.len:
-        raise DecodeError(f"data record: captured={h.captured} len={h.len} size={len(raw)}")
+    # the hot path (two records per request): struct, not ctypes; enum members by index
+    (_, tgid, conn_id, t_enter, t_exit, ssl, tid, fd, length, captured, direction, source,
+     role, runq_us) = _DATA_HDR.unpack_from(raw)
+    end = DATA_HDR_SIZE + captured
+    if end > len(raw) or captured > length or direction > 1 or source > 2 or role > 2:
+        raise DecodeError(f"data record: captured={captured} len={length} size={len(raw)} "
+                          f"direction={direction} source={source} role={role}")
     return DataEvent(
-        pid=h.tgid, tid=h.tid, conn_id=h.conn_id, fd=h.fd, ssl=h.ssl,
-        ts_enter_ns=h.ts_enter_ns, ts_exit_ns=h.ts_exit_ns, length=h.len,
-        direction=Direction(h.direction), source=Source(h.source), role=Role(h.role),
-        payload=raw[DATA_HDR_SIZE:end],
+        pid=tgid, tid=tid, conn_id=conn_id, fd=fd, ssl=ssl, ts_enter_ns=t_enter,
+        ts_exit_ns=t_exit, length=length, direction=_DIRECTIONS[direction],
+        source=_SOURCES[source], role=_ROLES[role], payload=raw[DATA_HDR_SIZE:end],
+        runq_us=runq_us,
     )
 
 
@@ -187,12 +201,16 @@ _MIN_SIZE = {
 
 def decode(raw: bytes) -> Event:
     """One ring-buffer record to an event; DecodeError for anything malformed."""
+    if raw[:4] == _DATA_KIND and len(raw) >= DATA_HDR_SIZE:
+        return _decode_data(raw)
     if len(raw) < 4:
         raise DecodeError(f"record of {len(raw)} bytes")
     try:
         kind = Kind(int.from_bytes(raw[:4], "little"))
     except ValueError as exc:
         raise DecodeError(f"unknown record kind {raw[:4].hex()}") from exc
+    if kind not in _MIN_SIZE:
+        raise DecodeError(f"{kind.name} records are decoded by their own module")
     if len(raw) < _MIN_SIZE[kind]:
         raise DecodeError(f"{kind.name} record of {len(raw)} bytes")
     try:

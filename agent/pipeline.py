@@ -24,6 +24,8 @@ SpanSink = Callable[[Span], None]
 Annotator = Callable[[Exchange, Span], None]
 # takes raw records of a kind this module does not decode (tcp.c, sched.c, cuda.c records)
 RecordHandler = Callable[[bytes], None]
+# sees every decoded read/write (e.g. to keep per-thread run-queue samples for annotators)
+DataObserver = Callable[[DataEvent], None]
 
 # userspace-assigned ids (connections found in /proc at start) live above the kernel's counter
 PREFILL_ID_BASE = 1 << 62
@@ -83,6 +85,7 @@ class Tracer:
         self._prefill_id = PREFILL_ID_BASE
         self.annotators: list[Annotator] = list(annotators)
         self.handlers: dict[int, RecordHandler] = dict(handlers or {})
+        self.data_observers: list[DataObserver] = []
 
     # ---- driving ----
 
@@ -234,6 +237,8 @@ class Tracer:
         return c
 
     def _on_data(self, ev: DataEvent) -> None:
+        for observe in self.data_observers:
+            observe(ev)
         c = self._conn_for(ev)
         if ev.source == Source.TLS:
             if not c.info.tls:

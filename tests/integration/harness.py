@@ -133,15 +133,17 @@ class Nginx:
         (root / "www" / "static.txt").write_bytes(b"s" * 20000)
         self.access_log = root / "access.log"
         conf = root / "nginx.conf"
+        user = "user root;" if os.geteuid() == 0 else ""
         conf.write_text(f"""
+{user}
 worker_processes 1;
 daemon off;
 pid {root}/nginx.pid;
 error_log {root}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-    access_log {self.access_log} timing;
     log_format timing {self.LOG_FORMAT};
+    access_log {self.access_log} timing;
     client_body_temp_path {root}/body;
     proxy_temp_path {root}/proxy;
     fastcgi_temp_path {root}/fcgi;
