@@ -25,6 +25,9 @@ class Kind(enum.IntEnum):
     PROC_EXEC = 4
     PROC_EXIT = 5
     TCP_EVENT = 6  # decoded by netsignals.py
+    CUDA_COPY = 9  # decoded by cuda.py
+    CUDA_MEM = 10  # decoded by cuda.py
+    CUDA_INIT = 11  # decoded by cuda.py
 
 
 class Source(enum.IntEnum):

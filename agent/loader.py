@@ -119,7 +119,9 @@ class Kernel:
                                  p.required, True)
                 try:
                     self.bpf.attach_uprobe(name=library, sym=p.symbol, fn_name=p.fn_enter)
-                    self.bpf.attach_uretprobe(name=library, sym=p.symbol, fn_name=p.fn_exit)
+                    if p.fn_exit:  # "": entry only
+                        self.bpf.attach_uretprobe(name=library, sym=p.symbol,
+                                                  fn_name=p.fn_exit)
                     self._attached.add(key)
                 except Exception as exc:  # bcc raises bare Exception
                     st.ok = False

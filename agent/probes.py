@@ -36,7 +36,7 @@ class Tracepoint:
 class Uprobe:
     symbol: str
     fn_enter: str
-    fn_exit: str
+    fn_exit: str  # "": entry only, no uretprobe (e.g. counted launches)
     group: str
     library: str  # short name: "libssl", "libcuda"
     required: bool = False

@@ -40,7 +40,11 @@ enum sits_kind {
     EV_DATA = 3,
     EV_PROC_EXEC = 4,
     EV_PROC_EXIT = 5,
-    /* 6..7: tcp.c, 8: sched.c, 9..11: cuda.c (node signals) */
+    EV_TCP_EVENT = 6, /* tcp.c: one retransmit or reset (struct tcp_event) */
+    /* 7: tcp.c, 8: sched.c (reserved) */
+    EV_CUDA_COPY = 9,  /* cuda.c: one host<->device copy (struct cuda_copy_event) */
+    EV_CUDA_MEM = 10,  /* cuda.c: an allocation or free (struct cuda_mem_event) */
+    EV_CUDA_INIT = 11, /* cuda.c: cuInit (struct cuda_init_event) */
     EV_KIND_MAX = 16,
 };
 
@@ -91,7 +95,9 @@ struct data_event {
     __u8 direction; /* 0 ingress (read), 1 egress (write) */
     __u8 source;    /* enum sits_source */
     __u8 role;
-    __u8 _pad[5];
+    __u8 _pad;
+    __u32 runq_us;  /* the thread's run-queue wait so far (sched.c), low 32 bits of
+                     * microseconds: subtract modulo 2^32; 0 without sched.c */
     char payload[SITS_MAX_PAYLOAD];
 };
 #define DATA_HDR_SIZE (sizeof(struct data_event) - SITS_MAX_PAYLOAD)
@@ -129,6 +135,41 @@ struct data_scratch_t {
 };
 BPF_PERCPU_ARRAY(data_scratch, struct data_scratch_t, 1);
 BPF_PERCPU_ARRAY(since_wakeup, __u64, 1);
+
+#ifndef SITS_SCHED
+#define SITS_SCHED 0 /* 1: sched.c is loaded */
+#endif
+#ifndef SITS_MAX_THREADS
+#define SITS_MAX_THREADS 16384
+#endif
+/* per thread, kept by sched.c: run-queue wait, like /proc/<tid>/schedstat's second field */
+struct runq_thread {
+    __u64 delay_ns; /* waits completed since the thread was first tracked */
+    __u64 count;
+    __u32 tgid;
+    __u32 _pad;
+};
+#if SITS_SCHED
+BPF_TABLE("lru_hash", __u32, struct runq_thread, runq_threads, SITS_MAX_THREADS);
+BPF_HASH(sched_tgids, __u32, __u8, 4096); /* processes whose threads sched.c tracks */
+#endif
+
+/* The calling thread's run-queue wait so far, for EV_DATA. A thread's first traced I/O starts
+ * tracking it (and its process), so its counter starts at 0 here. */
+static __always_inline __u64 runq_snapshot(__u64 id)
+{
+#if SITS_SCHED
+    __u32 tid = (__u32)id, tgid = id >> 32;
+    struct runq_thread *t = runq_threads.lookup(&tid);
+    if (t)
+        return t->delay_ns;
+    struct runq_thread fresh = {.tgid = tgid};
+    __u8 one = 1;
+    runq_threads.update(&tid, &fresh);
+    sched_tgids.update(&tgid, &one);
+#endif
+    return 0;
+}
 
 static __always_inline __u64 conn_key(__u32 tgid, int fd)
 {

@@ -279,6 +279,7 @@ static __always_inline struct data_event *data_event_init(__u64 id, __u64 conn_i
     ev->conn_id = conn_id;
     ev->role = role;
     ev->ssl = 0;
+    ev->runq_us = (__u32)(runq_snapshot(id) / 1000);
     return ev;
 }
 

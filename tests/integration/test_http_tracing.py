@@ -92,11 +92,13 @@ def test_nginx_methods_statuses_and_timing(tracer: Tracer, nginx: Nginx, scheme:
 
 def test_nginx_keepalive_many_requests_each_once(tracer: Tracer, nginx: Nginx) -> None:
     base = rid("ka")
-    urls = []
+    args: list[str] = []
     for i in range(20):
-        urls += [f"http://127.0.0.1:{nginx.http_port}/?i={i}", "-H", f"x-request-id: {base}-{i}"]
-    # one curl process, one connection, 20 requests
-    subprocess.run(["curl", "-s", "-o", "/dev/null", *urls], check=True)
+        args += ["--next"] if i else []
+        args += ["-s", "-o", "/dev/null", "-H", f"x-request-id: {base}-{i}",
+                 f"http://127.0.0.1:{nginx.http_port}/?i={i}"]
+    # one curl process, one keep-alive connection (--next keeps it), 20 requests
+    subprocess.run(["curl", *args], check=True)
     for i in range(20):
         spans = [s for s in tracer.by_request_id(f"{base}-{i}") if s["kind"] == "SERVER"]
         assert len(spans) == 1
@@ -118,14 +120,18 @@ def test_load_generator_every_request_exactly_once(tracer: Tracer, nginx: Nginx)
     assert len({s["trace_id"] for s in spans}) == 1
 
 
-def test_wrk_keepalive_counts_match_nginx_log(tracer: Tracer, nginx: Nginx) -> None:
+def test_wrk_keepalive_counts_match_nginx_log(tracer: Tracer, nginx: Nginx, tmp_path: Path) -> None:
     r = rid("wrk")
-    subprocess.run(["wrk", "-t1", "-c4", "-d2s", "-H", f"x-request-id: {r}",
+    # wrk's delay() paces each connection (1 ms between requests): a steady load, not a
+    # saturation test (bench/overhead.py is that)
+    script = tmp_path / "paced.lua"
+    script.write_text(f'wrk.headers["x-request-id"] = "{r}"\nfunction delay() return 1 end\n')
+    subprocess.run(["wrk", "-t1", "-c4", "-d2s", "-s", str(script),
                     f"http://127.0.0.1:{nginx.http_port}/"], check=True, capture_output=True)
     time.sleep(0.5)
     logged = len(nginx.log_entries(r))
     spans = [s for s in tracer.by_request_id(r, count=logged, timeout=30) if s["kind"] == "SERVER"]
-    assert logged > 100
+    assert logged > 1000
     assert len(spans) == logged
 
 

@@ -1,0 +1,226 @@
+"""CPU signals from bpf/sched.c: run-queue delay of traced threads, per span and per second.
+
+The kernel adds each run-queue wait of a tracked thread to its counter in `runq_threads` (the
+same quantity as /proc/<tid>/schedstat's second field), to its process's totals in
+`runq_procs` and to a per-process log2 histogram `runq_hist`. http.c copies the calling
+thread's counter into every EV_DATA (`runq_us`), so the agent knows it exactly at the exit of
+each read and write.
+
+Span attributes (SchedSignals.annotate, fed by SchedSignals.on_data):
+  sits.cpu.runq_delay_us     run-queue wait of the serving thread between the exit of the read
+                             that carried the request's first byte and the exit of the write
+                             that carried the response's last byte (waits completed in that
+                             window); when several threads served it, the sum of each one's
+                             waits between its own first and last I/O in the window (a lower
+                             bound)
+  sits.cpu.runq_threads      how many threads did the span's I/O
+  sits.cpu.runq_delay_exact  false when the value is a lower bound (several threads, or the
+                             first or last I/O of the span not seen)
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .bpfmaps import MapAccess, u32
+from .events import DataEvent
+from .model import Direction, Exchange, Span
+from .probes import Tracepoint
+
+SCHED_PROGRAM = "sched.c"
+SCHED_TRACEPOINTS: tuple[Tracepoint, ...] = (
+    Tracepoint("sched", "sched_wakeup", "sched", False),
+    Tracepoint("sched", "sched_wakeup_new", "sched", False),
+    Tracepoint("sched", "sched_switch", "sched", False),
+)
+RUNQ_SLOTS = 32
+_WRAP = 1 << 32  # EV_DATA.runq_us is the low 32 bits of the counter in microseconds
+
+
+class RunqThreadC(ctypes.Structure):
+    _fields_ = [
+        ("delay_ns", ctypes.c_uint64),
+        ("count", ctypes.c_uint64),
+        ("tgid", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint32),
+    ]
+
+
+class RunqProcC(ctypes.Structure):
+    _fields_ = [("delay_ns", ctypes.c_uint64), ("count", ctypes.c_uint64)]
+
+
+class RunqHistKeyC(ctypes.Structure):
+    _fields_ = [("tgid", ctypes.c_uint32), ("slot", ctypes.c_uint32)]
+
+
+@dataclass(frozen=True, slots=True)
+class RunqCounter:
+    delay_ns: int
+    count: int
+    tgid: int
+
+
+def decode_runq_thread(raw: bytes) -> RunqCounter:
+    t = RunqThreadC.from_buffer_copy(raw[: ctypes.sizeof(RunqThreadC)])
+    return RunqCounter(t.delay_ns, t.count, t.tgid)
+
+
+@dataclass(slots=True)
+class ProcRunq:
+    """One process over one interval."""
+
+    delay_s_per_s: float  # run-queue wait summed over its threads, per second of wall time
+    waits_per_s: float
+    mean_wait_us: float
+    hist_log2_us: list[int]  # waits in the interval by log2(wait in microseconds)
+
+
+@dataclass(slots=True)
+class SchedSample:
+    interval_s: float
+    procs: dict[int, ProcRunq]
+
+
+@dataclass(frozen=True, slots=True)
+class _Obs:
+    ts_ns: int  # exit of the read/write
+    tid: int
+    runq_us: int
+
+
+def runq_between(samples: list[tuple[int, int]]) -> int:
+    """Microseconds waited over consecutive snapshots (tid's runq_us), modulo 2^32; a step
+    back (the thread's counter restarted) adds nothing."""
+    total = 0
+    for (_, a), (_, b) in zip(samples, samples[1:]):
+        d = (b - a) % _WRAP
+        if d < _WRAP // 2:
+            total += d
+    return total
+
+
+class SchedSignals:
+    """Reads bpf/sched.c's maps, keeps the runq snapshots of EV_DATA, annotates spans."""
+
+    def __init__(self, maps: MapAccess, *, proc_root: str = "/proc",
+                 monotonic_ns: Callable[[], int] = time.monotonic_ns, max_conns: int = 4096,
+                 per_conn: int = 256) -> None:
+        self.maps = maps
+        self.proc_root = proc_root
+        self._now = monotonic_ns
+        self._max_conns = max_conns
+        self._per_conn = per_conn
+        # per connection: reads (few per request, kept apart so long streams don't push the
+        # request's first read out) and writes
+        self._reads: collections.OrderedDict[int, collections.deque[_Obs]] = \
+            collections.OrderedDict()
+        self._writes: collections.OrderedDict[int, collections.deque[_Obs]] = \
+            collections.OrderedDict()
+        self._last_ns = self._now()
+        self._last_procs = self._procs()
+        self._last_hist = self._hist()
+
+    # ---- processes and threads ----
+
+    def track_process(self, pid: int) -> int:
+        """Track a process's threads from now (e.g. a traced process found at start);
+        returns how many threads were added."""
+        self.maps.update("sched_tgids", u32(pid), b"\x01")
+        try:
+            tids = [int(t) for t in os.listdir(f"{self.proc_root}/{pid}/task")]
+        except OSError:
+            return 0
+        n = 0
+        for tid in tids:
+            if self.maps.lookup("runq_threads", u32(tid)) is None:
+                self.maps.update("runq_threads", u32(tid), bytes(RunqThreadC(tgid=pid)))
+                n += 1
+        return n
+
+    def thread(self, tid: int) -> RunqCounter | None:
+        raw = self.maps.lookup("runq_threads", u32(tid))
+        return decode_runq_thread(raw) if raw is not None else None
+
+    # ---- spans ----
+
+    def on_data(self, ev: DataEvent) -> None:
+        """Tracer data observer: keep the thread's runq snapshot at this read/write."""
+        if not ev.conn_id:
+            return  # TLS plaintext of an unknown socket: no stable key here
+        table = self._reads if ev.direction == Direction.INGRESS else self._writes
+        q = table.get(ev.conn_id)
+        if q is None:
+            q = table[ev.conn_id] = collections.deque(maxlen=self._per_conn)
+            if len(table) > self._max_conns:
+                table.popitem(last=False)
+        else:
+            table.move_to_end(ev.conn_id)
+        q.append(_Obs(ev.ts_exit_ns, ev.tid, ev.runq_us))
+
+    def _window(self, conn_id: int, start: int, end: int) -> list[_Obs]:
+        obs = [o for t in (self._reads, self._writes) for o in t.get(conn_id, ())
+               if start <= o.ts_ns <= end]
+        return sorted(obs, key=lambda o: o.ts_ns)
+
+    def _forget_before(self, conn_id: int, ts: int) -> None:
+        for t in (self._reads, self._writes):
+            q = t.get(conn_id)
+            while q and q[0].ts_ns < ts:
+                q.popleft()
+
+    def annotate(self, ex: Exchange, span: Span) -> None:
+        """Tracer annotator: the sits.cpu.* attributes (see the module docstring)."""
+        cid = ex.conn.conn_id
+        start = ex.request.start_ns
+        end = ex.response.end_ns if ex.response is not None else ex.request.end_ns
+        win = self._window(cid, start, end)
+        self._forget_before(cid, start)
+        if not win:
+            return
+        per_tid: dict[int, list[tuple[int, int]]] = {}
+        for o in win:
+            per_tid.setdefault(o.tid, []).append((o.ts_ns, o.runq_us))
+        delay = sum(runq_between(s) for s in per_tid.values())
+        exact = (len(per_tid) == 1 and ex.response is not None
+                 and win[0].ts_ns == start and win[-1].ts_ns == end)
+        span.attributes["sits.cpu.runq_delay_us"] = delay
+        span.attributes["sits.cpu.runq_threads"] = len(per_tid)
+        span.attributes["sits.cpu.runq_delay_exact"] = exact
+
+    # ---- per-second numbers ----
+
+    def _procs(self) -> dict[int, tuple[int, int]]:
+        out: dict[int, tuple[int, int]] = {}
+        for k, v in self.maps.items("runq_procs"):
+            p = RunqProcC.from_buffer_copy(v[: ctypes.sizeof(RunqProcC)])
+            out[int.from_bytes(k[:4], "little")] = (p.delay_ns, p.count)
+        return out
+
+    def _hist(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for k, v in self.maps.items("runq_hist"):
+            hk = RunqHistKeyC.from_buffer_copy(k[: ctypes.sizeof(RunqHistKeyC)])
+            if hk.slot < RUNQ_SLOTS:
+                out.setdefault(hk.tgid, [0] * RUNQ_SLOTS)[hk.slot] = int.from_bytes(v[:8], "little")
+        return out
+
+    def sample(self) -> SchedSample:
+        now = self._now()
+        dt = max((now - self._last_ns) / 1e9, 1e-9)
+        procs, hist = self._procs(), self._hist()
+        out: dict[int, ProcRunq] = {}
+        for tgid, (delay, count) in procs.items():
+            d0, c0 = self._last_procs.get(tgid, (0, 0))
+            h0 = self._last_hist.get(tgid, [0] * RUNQ_SLOTS)
+            h = hist.get(tgid, [0] * RUNQ_SLOTS)
+            dd, dc = delay - d0, count - c0
+            out[tgid] = ProcRunq(dd / 1e9 / dt, dc / dt, dd / dc / 1e3 if dc else 0.0,
+                                 [max(0, a - b) for a, b in zip(h, h0)])
+        self._last_ns, self._last_procs, self._last_hist = now, procs, hist
+        return SchedSample(dt, out)

@@ -1,0 +1,380 @@
+"""TCP signals from bpf/tcp.c: counters of a span's connection, node totals per second.
+
+The kernel keeps the counters (per 4-tuple in `tcp_conns`, node totals in `tcp_totals`,
+TIME_WAIT entries per port in `tcp_tw_ports`, lifetimes in `tcp_lifetime_us`); retransmits
+and resets also arrive as EV_TCP_EVENT records, so a span can count those inside its window.
+
+Span attributes (TcpSignals.annotate):
+  sits.tcp.retransmits       retransmissions on the span's connection between the request's
+                             first byte and the response's last byte, sent by either end when
+                             both are on this host (a server's retransmits of its response's
+                             tail come after its last write, so they are in the next counter)
+  sits.tcp.conn.retransmits  sent by this side on the connection since it opened, up to the
+                             moment the span is finished
+  sits.tcp.resets            RSTs sent or received on the connection since it opened
+  sits.tcp.srtt_us           the connection's smoothed RTT, when a segment arrived since it
+                             opened (tcp_probe)
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import enum
+import ipaddress
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .bpfmaps import MapAccess, u64
+from .events import DecodeError, Kind
+from .model import ConnInfo, Exchange, Role, Span
+from .probes import Tracepoint
+
+TCP_PROGRAM = "tcp.c"
+TCP_TRACEPOINTS: tuple[Tracepoint, ...] = (
+    Tracepoint("sock", "inet_sock_set_state", "tcp", False),
+    Tracepoint("tcp", "tcp_retransmit_skb", "tcp", False),
+    Tracepoint("tcp", "tcp_retransmit_synack", "tcp", False),
+    Tracepoint("tcp", "tcp_send_reset", "tcp", False),
+    Tracepoint("tcp", "tcp_receive_reset", "tcp", False),
+    Tracepoint("tcp", "tcp_probe", "tcp", False),
+)
+TCP_TIMEWAIT_LEN_S = 60  # include/net/tcp.h: how long a TIME_WAIT socket lives
+_WILDCARD = ("", "0.0.0.0", "::")
+
+
+class TcpKeyC(ctypes.Structure):
+    _fields_ = [
+        ("laddr", ctypes.c_uint8 * 16),
+        ("raddr", ctypes.c_uint8 * 16),
+        ("lport", ctypes.c_uint16),
+        ("rport", ctypes.c_uint16),
+    ]
+
+
+class TcpConnC(ctypes.Structure):
+    _fields_ = [
+        ("opened_ns", ctypes.c_uint64),
+        ("closed_ns", ctypes.c_uint64),
+        ("retransmits", ctypes.c_uint64),
+        ("srtt_us", ctypes.c_uint32),
+        ("resets_in", ctypes.c_uint32),
+        ("resets_out", ctypes.c_uint32),
+        ("state", ctypes.c_uint8),
+        ("active", ctypes.c_uint8),
+        ("time_wait", ctypes.c_uint8),
+        ("rst_pending", ctypes.c_uint8),
+    ]
+
+
+class TcpEventC(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("state", ctypes.c_uint32),
+        ("ts_ns", ctypes.c_uint64),
+        ("key", TcpKeyC),
+        ("type", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8),
+        ("reason", ctypes.c_uint16),
+    ]
+
+
+class TcpPeerKeyC(ctypes.Structure):
+    _fields_ = [
+        ("raddr", ctypes.c_uint8 * 16),
+        ("rport", ctypes.c_uint16),
+        ("lport", ctypes.c_uint16),
+    ]
+
+
+class TwKeyC(ctypes.Structure):
+    _fields_ = [("port", ctypes.c_uint16), ("side", ctypes.c_uint8), ("_pad", ctypes.c_uint8)]
+
+
+class TcpEventType(enum.IntEnum):
+    RETRANS = 1
+    SYNACK_RETRANS = 2
+    RST_OUT = 3
+    RST_IN = 4
+
+
+class TcpTotal(enum.IntEnum):
+    """Index of `tcp_totals`; the names become the per-second rates' names."""
+
+    RETRANSMITS = 0
+    RETRANSMIT_FAILURES = 1
+    SYNACK_RETRANSMITS = 2
+    RESETS_OUT = 3
+    RESETS_IN = 4
+    OPENS_ACTIVE = 5
+    OPENS_PASSIVE = 6
+    CLOSES = 7
+    TIME_WAIT_ENTRIES = 8
+    RTT_SAMPLES = 9
+
+
+class TcpState(enum.IntEnum):
+    ESTABLISHED = 1
+    SYN_SENT = 2
+    SYN_RECV = 3
+    FIN_WAIT1 = 4
+    FIN_WAIT2 = 5
+    TIME_WAIT = 6
+    CLOSE = 7
+    CLOSE_WAIT = 8
+    LAST_ACK = 9
+    LISTEN = 10
+    CLOSING = 11
+    NEW_SYN_RECV = 12
+
+
+def addr16(address: str) -> bytes:
+    """The kernel's view of an address: IPv6, with IPv4 as v4-mapped (::ffff:a.b.c.d)."""
+    ip = ipaddress.ip_address(address)
+    if ip.version == 4:
+        return b"\x00" * 10 + b"\xff\xff" + ip.packed
+    return ip.packed
+
+
+def format_addr16(raw: bytes) -> str:
+    ip = ipaddress.IPv6Address(bytes(raw[:16]))
+    return str(ip.ipv4_mapped or ip)
+
+
+@dataclass(frozen=True, slots=True)
+class TcpTuple:
+    """A connection as this host sees it: local side first."""
+
+    local_address: str
+    local_port: int
+    remote_address: str
+    remote_port: int
+
+    def key(self) -> bytes:
+        k = TcpKeyC()
+        k.laddr[:] = addr16(self.local_address)
+        k.raddr[:] = addr16(self.remote_address)
+        k.lport, k.rport = self.local_port, self.remote_port
+        return bytes(k)
+
+    def reversed(self) -> TcpTuple:
+        return TcpTuple(self.remote_address, self.remote_port, self.local_address,
+                        self.local_port)
+
+    @classmethod
+    def from_key(cls, raw: bytes) -> TcpTuple:
+        k = TcpKeyC.from_buffer_copy(raw[: ctypes.sizeof(TcpKeyC)])
+        return cls(format_addr16(bytes(k.laddr)), k.lport, format_addr16(bytes(k.raddr)), k.rport)
+
+
+@dataclass(frozen=True, slots=True)
+class TcpConnStats:
+    opened_ns: int
+    closed_ns: int
+    retransmits: int
+    srtt_us: int
+    resets_in: int
+    resets_out: int
+    state: int
+    active: bool
+    time_wait: bool
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> TcpConnStats:
+        c = TcpConnC.from_buffer_copy(raw[: ctypes.sizeof(TcpConnC)])
+        return cls(c.opened_ns, c.closed_ns, c.retransmits, c.srtt_us, c.resets_in,
+                   c.resets_out, c.state, bool(c.active), bool(c.time_wait))
+
+
+@dataclass(frozen=True, slots=True)
+class TcpEvent:
+    type: TcpEventType
+    ts_ns: int
+    conn: TcpTuple
+    state: int
+    reason: int
+
+
+def decode_tcp_event(raw: bytes) -> TcpEvent:
+    if len(raw) < ctypes.sizeof(TcpEventC):
+        raise DecodeError(f"tcp event record of {len(raw)} bytes")
+    e = TcpEventC.from_buffer_copy(raw[: ctypes.sizeof(TcpEventC)])
+    if e.kind != Kind.TCP_EVENT:
+        raise DecodeError(f"not a tcp event: kind {e.kind}")
+    try:
+        typ = TcpEventType(e.type)
+    except ValueError as exc:
+        raise DecodeError(f"tcp event type {e.type}") from exc
+    return TcpEvent(typ, e.ts_ns, TcpTuple.from_key(bytes(e.key)), e.state, e.reason)
+
+
+@dataclass(slots=True)
+class TcpSample:
+    """Node TCP numbers over one interval, for a feature frame."""
+
+    interval_s: float
+    rates: dict[str, float]  # per second, named after TcpTotal
+    time_wait: dict[tuple[str, int], int]  # ("local"|"peer", port) -> sockets in TIME_WAIT now
+    lifetime_us_log2: list[int]  # connections closed in the interval, by log2(lifetime in us)
+
+
+@dataclass(slots=True)
+class _TwHistory:
+    samples: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
+
+
+class TcpSignals:
+    """Reads bpf/tcp.c's maps and records; annotates spans; samples per-second numbers."""
+
+    def __init__(self, maps: MapAccess, *, monotonic_ns: Callable[[], int] = time.monotonic_ns,
+                 timewait_s: int = TCP_TIMEWAIT_LEN_S, max_conns: int = 4096,
+                 events_per_conn: int = 64) -> None:
+        self.maps = maps
+        self._now = monotonic_ns
+        self._tw_ns = timewait_s * 1_000_000_000
+        self._max_conns = max_conns
+        self._per_conn = events_per_conn
+        self._events: collections.OrderedDict[bytes, collections.deque[TcpEvent]] = \
+            collections.OrderedDict()
+        self._resolved: collections.OrderedDict[int, TcpTuple] = collections.OrderedDict()
+        self._last_ns = self._now()
+        self._last_totals = self._totals()
+        self._last_life = self._lifetimes()
+        self._tw: dict[tuple[str, int], _TwHistory] = {}
+        self.decode_errors = 0
+
+    # ---- records ----
+
+    def on_record(self, raw: bytes) -> None:
+        """Tracer handler for EV_TCP_EVENT records."""
+        try:
+            ev = decode_tcp_event(raw)
+        except DecodeError:
+            self.decode_errors += 1
+            return
+        key = ev.conn.key()
+        q = self._events.get(key)
+        if q is None:
+            q = self._events[key] = collections.deque(maxlen=self._per_conn)
+            if len(self._events) > self._max_conns:
+                self._events.popitem(last=False)
+        else:
+            self._events.move_to_end(key)
+        q.append(ev)
+
+    def events_between(self, conn: TcpTuple, start_ns: int, end_ns: int) -> list[TcpEvent]:
+        """Retransmits and resets of both directions of `conn` inside [start_ns, end_ns]."""
+        out: list[TcpEvent] = []
+        for key in (conn.key(), conn.reversed().key()):
+            out.extend(e for e in self._events.get(key, ()) if start_ns <= e.ts_ns <= end_ns)
+        return sorted(out, key=lambda e: e.ts_ns)
+
+    # ---- a span's connection ----
+
+    def resolve(self, conn: ConnInfo) -> TcpTuple | None:
+        """The 4-tuple of a traced connection, from what the agent knows and the kernel's
+        indexes (server: peer address/port + local port; client: pid/fd at connect)."""
+        if conn.conn_id and conn.conn_id in self._resolved:
+            return self._resolved[conn.conn_id]
+        t = self._resolve_server(conn) if conn.role is Role.SERVER else self._resolve_client(conn)
+        if t is None and conn.local_port and conn.local_address not in _WILDCARD \
+                and conn.peer_address:
+            t = TcpTuple(conn.local_address, conn.local_port, conn.peer_address, conn.peer_port)
+        if t is not None and conn.conn_id:
+            self._resolved[conn.conn_id] = t
+            if len(self._resolved) > self._max_conns:
+                self._resolved.popitem(last=False)
+        return t
+
+    def _resolve_server(self, conn: ConnInfo) -> TcpTuple | None:
+        if not (conn.local_port and conn.peer_address):
+            return None
+        pk = TcpPeerKeyC()
+        pk.raddr[:] = addr16(conn.peer_address)
+        pk.rport, pk.lport = conn.peer_port, conn.local_port
+        raw = self.maps.lookup("tcp_peers", bytes(pk))
+        if raw is None:
+            return None
+        return TcpTuple(format_addr16(raw), conn.local_port, conn.peer_address, conn.peer_port)
+
+    def _resolve_client(self, conn: ConnInfo) -> TcpTuple | None:
+        if conn.fd < 0:
+            return None
+        raw = self.maps.lookup("tcp_fd_conns", u64((conn.pid << 32) | conn.fd))
+        if raw is None:
+            return None
+        t = TcpTuple.from_key(raw)
+        if conn.peer_address and (addr16(conn.peer_address) != addr16(t.remote_address)
+                                  or conn.peer_port != t.remote_port):
+            return None  # the fd was reused for another connection
+        return t
+
+    def conn_stats(self, conn: TcpTuple) -> TcpConnStats | None:
+        raw = self.maps.lookup("tcp_conns", conn.key())
+        return TcpConnStats.from_bytes(raw) if raw is not None else None
+
+    def annotate(self, ex: Exchange, span: Span) -> None:
+        """Tracer annotator: the sits.tcp.* attributes (see the module docstring)."""
+        t = self.resolve(ex.conn)
+        if t is None:
+            return
+        end = ex.response.end_ns if ex.response is not None else ex.request.end_ns
+        window = self.events_between(t, ex.request.start_ns, end)
+        retrans = (TcpEventType.RETRANS, TcpEventType.SYNACK_RETRANS)
+        span.attributes["sits.tcp.retransmits"] = sum(e.type in retrans for e in window)
+        st = self.conn_stats(t)
+        if st is None:
+            return
+        span.attributes["sits.tcp.conn.retransmits"] = st.retransmits
+        span.attributes["sits.tcp.resets"] = st.resets_in + st.resets_out
+        if st.srtt_us:
+            span.attributes["sits.tcp.srtt_us"] = st.srtt_us
+
+    # ---- per-second numbers ----
+
+    def _totals(self) -> list[int]:
+        sums = self.maps.percpu_sums("tcp_totals")
+        return [sums[i] if i < len(sums) else 0 for i in range(len(TcpTotal))]
+
+    def _lifetimes(self) -> list[int]:
+        out = [0] * 64
+        for k, v in self.maps.items("tcp_lifetime_us"):
+            slot = int.from_bytes(k[:4], "little")
+            if 0 <= slot < 64:
+                out[slot] = int.from_bytes(v[:8], "little")
+        return out
+
+    def time_wait_entries(self) -> dict[tuple[str, int], int]:
+        """Cumulative TIME_WAIT entries by ("local"|"peer", port) since the programs loaded."""
+        out: dict[tuple[str, int], int] = {}
+        for k, v in self.maps.items("tcp_tw_ports"):
+            tk = TwKeyC.from_buffer_copy(k[: ctypes.sizeof(TwKeyC)])
+            out[("peer" if tk.side else "local", tk.port)] = int.from_bytes(v[:8], "little")
+        return out
+
+    def _time_wait_now(self, now: int) -> dict[tuple[str, int], int]:
+        """Sockets in TIME_WAIT now, by port: entries within the last TIME_WAIT length (the
+        kernel shows no TIME_WAIT ending, so this is exact to the sampling interval as long
+        as none was recycled early)."""
+        out: dict[tuple[str, int], int] = {}
+        for port, total in self.time_wait_entries().items():
+            h = self._tw.setdefault(port, _TwHistory())
+            h.samples.append((now, total))
+            while len(h.samples) > 1 and h.samples[1][0] <= now - self._tw_ns:
+                h.samples.popleft()
+            first_ns, first_total = h.samples[0]
+            base = first_total if first_ns <= now - self._tw_ns else 0
+            if total - base:
+                out[port] = total - base
+        return out
+
+    def sample(self) -> TcpSample:
+        now = self._now()
+        dt = max((now - self._last_ns) / 1e9, 1e-9)
+        totals = self._totals()
+        rates = {t.name.lower(): (totals[t] - self._last_totals[t]) / dt for t in TcpTotal}
+        life = self._lifetimes()
+        hist = [max(0, a - b) for a, b in zip(life, self._last_life)]
+        self._last_ns, self._last_totals, self._last_life = now, totals, life
+        return TcpSample(dt, rates, self._time_wait_now(now), hist)

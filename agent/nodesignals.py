@@ -1,0 +1,170 @@
+"""Node signals (TCP, CPU run queue) wired into the loader and the tracer.
+
+    add = load_additions(NodeSignalConfig(), tracefs_root())
+    kernel = load(extend_options(opts, add))
+    node = NodeSignals.from_kernel(kernel)
+    node.install(tracer)          # handlers, annotators, data observer
+    node.sample()                 # per-second numbers, for a feature frame
+
+All of it is optional: a missing tracepoint is compiled out (-DSITS_NO_<CAT>_<EVENT>) and
+reported by doctor; a group whose tracepoints are all missing is simply not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .bpfmaps import BccMaps, MapAccess
+from .cpusignals import SCHED_PROGRAM, SCHED_TRACEPOINTS, SchedSample, SchedSignals
+from .events import Kind
+from .loader import Kernel, LoadOptions
+from .netsignals import TCP_PROGRAM, TCP_TRACEPOINTS, TcpSample, TcpSignals
+from .probes import Tracepoint
+
+if TYPE_CHECKING:  # the pipeline imports the parser stack; only its type is needed here
+    from .doctor import Check
+    from .pipeline import Tracer
+
+
+@dataclass(slots=True)
+class NodeSignalConfig:
+    tcp: bool = True
+    sched: bool = True
+    sched_all: bool = False  # every process's threads, not only those with traced connections
+
+
+@dataclass(slots=True)
+class LoadAdditions:
+    programs: list[str] = field(default_factory=list)
+    tracepoints: list[Tracepoint] = field(default_factory=list)
+    defines: dict[str, int | str] = field(default_factory=dict)
+
+
+def tracepoint_fields(root: Path | None, category: str, event: str) -> dict[str, str]:
+    """Field name -> declared C type, from the tracepoint's tracefs format ({} if absent)."""
+    if root is None:
+        return {}
+    try:
+        text = (root / "events" / category / event / "format").read_text()
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("field:"):
+            continue
+        decl = line[len("field:"):].split(";", 1)[0].strip()
+        ctype, _, name = decl.rpartition(" ")
+        out[name.split("[", 1)[0]] = ctype + ("[" + name.split("[", 1)[1] if "[" in name else "")
+    return out
+
+
+def ephemeral_range(proc_root: str = "/proc") -> tuple[int, int]:
+    try:
+        lo, hi = Path(f"{proc_root}/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def tcp_defines(root: Path | None, proc_root: str = "/proc") -> dict[str, int | str]:
+    """-D flags for tcp.c, from what this kernel's tracepoints carry (probed, not versioned)."""
+    retrans = tracepoint_fields(root, "tcp", "tcp_retransmit_skb")
+    rst = tracepoint_fields(root, "tcp", "tcp_send_reset")
+    lo, hi = ephemeral_range(proc_root)
+    return {
+        "SITS_TCP_RETRANS_ERR": int("err" in retrans),
+        # 6.10+: struct sockaddr copies (saddr[28]); before: sport/dport and saddr_v6
+        "SITS_TCP_RST_SOCKADDR": int("saddr_v6" not in rst),
+        "SITS_TCP_RST_REASON": int(rst.get("reason", "").startswith("enum sk_rst_reason")),
+        "SITS_EPHEMERAL_LO": lo,
+        "SITS_EPHEMERAL_HI": hi,
+    }
+
+
+def load_additions(cfg: NodeSignalConfig, root: Path | None,
+                   proc_root: str = "/proc") -> LoadAdditions:
+    add = LoadAdditions()
+    if cfg.tcp:
+        add.programs.append(TCP_PROGRAM)
+        add.tracepoints.extend(TCP_TRACEPOINTS)
+        add.defines.update(tcp_defines(root, proc_root))
+    if cfg.sched:
+        add.programs.append(SCHED_PROGRAM)
+        add.tracepoints.extend(SCHED_TRACEPOINTS)
+        add.defines["SITS_SCHED"] = 1
+        add.defines["SITS_SCHED_ALL"] = int(cfg.sched_all)
+    return add
+
+
+def extend_options(opts: LoadOptions, add: LoadAdditions) -> LoadOptions:
+    return dataclasses.replace(
+        opts,
+        extra_programs=[*opts.extra_programs, *add.programs],
+        extra_tracepoints=[*opts.extra_tracepoints, *add.tracepoints],
+        extra_defines={**opts.extra_defines, **add.defines},
+    )
+
+
+def _any_present(kernel: Kernel, tps: Sequence[Tracepoint]) -> bool:
+    names = {tp.name for tp in tps}
+    return any(s.ok for s in kernel.report.statuses if s.name in names)
+
+
+@dataclass(slots=True)
+class NodeSample:
+    tcp: TcpSample | None
+    sched: SchedSample | None
+
+
+class NodeSignals:
+    def __init__(self, tcp: TcpSignals | None, sched: SchedSignals | None) -> None:
+        self.tcp = tcp
+        self.sched = sched
+
+    @classmethod
+    def from_kernel(cls, kernel: Kernel, proc_root: str = "/proc",
+                    maps: MapAccess | None = None) -> NodeSignals:
+        m = maps or BccMaps(kernel.bpf)
+        programs = set(kernel.opts.extra_programs)
+        tcp = TcpSignals(m) if TCP_PROGRAM in programs and _any_present(
+            kernel, TCP_TRACEPOINTS) else None
+        sched = SchedSignals(m, proc_root=proc_root) if SCHED_PROGRAM in programs and \
+            _any_present(kernel, SCHED_TRACEPOINTS) else None
+        return cls(tcp, sched)
+
+    def install(self, tracer: Tracer) -> None:
+        if self.tcp is not None:
+            tracer.handlers[int(Kind.TCP_EVENT)] = self.tcp.on_record
+            tracer.annotators.append(self.tcp.annotate)
+        if self.sched is not None:
+            tracer.data_observers.append(self.sched.on_data)
+            tracer.annotators.append(self.sched.annotate)
+
+    def track_processes(self, pids: Sequence[int]) -> None:
+        """Processes traced from the start (--pid, or those with prefilled connections)."""
+        if self.sched is not None:
+            for pid in pids:
+                self.sched.track_process(pid)
+
+    def sample(self) -> NodeSample:
+        return NodeSample(self.tcp.sample() if self.tcp else None,
+                          self.sched.sample() if self.sched else None)
+
+
+def doctor_checks() -> list[Check]:
+    """One doctor row per group (tcp, sched): for doctor.EXTRA_CHECKS."""
+    from .doctor import tracepoint_checks  # noqa: PLC0415 - doctor is the caller's stage
+    from .probes import tracefs_root  # noqa: PLC0415
+
+    return tracepoint_checks([*TCP_TRACEPOINTS, *SCHED_TRACEPOINTS], tracefs_root())
+
+
+def stats(node: NodeSignals) -> dict[str, Any]:
+    """What the agent's own stats file shows of node signals."""
+    return {"tcp": node.tcp is not None, "sched": node.sched is not None,
+            "tcp_decode_errors": node.tcp.decode_errors if node.tcp else 0}

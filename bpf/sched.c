@@ -1,0 +1,172 @@
+/* Run-queue delay of the threads of traced processes, through sched: tracepoints.
+ *
+ * sched:sched_wakeup, sched:sched_wakeup_new  a thread became runnable: stamp it
+ * sched:sched_switch  the thread leaving the CPU (the current one) is stamped again when it
+ *                     stays runnable (preempted, yield); the one arriving ends its wait
+ *
+ * A wait is added to the thread's cumulative counter in `runq_threads` (events.h; the same
+ * quantity as /proc/<tid>/schedstat's second field, which http.c copies into each EV_DATA), to
+ * its process's totals in `runq_procs` and to a per-process log2 histogram in microseconds
+ * (`runq_hist`, like bcc's runqlat -P). Which processes: those in `target_pids` when --pid
+ * filtering is on; else every process with SITS_SCHED_ALL=1; else those in `sched_tgids`
+ * (processes with traced connections: http.c adds them at their first traced I/O, the agent
+ * at start). Threads are learned when they leave a CPU (then `current` names their process)
+ * or do traced I/O. Costs two hash lookups per context switch and one per wakeup, node-wide;
+ * nothing is sent through the ring. No kernel struct is read.
+ */
+#include "events.h"
+
+#ifndef SITS_SCHED_ALL
+#define SITS_SCHED_ALL 0
+#endif
+#ifndef SITS_MAX_PROCS
+#define SITS_MAX_PROCS 4096
+#endif
+#define RUNQ_SLOTS 32
+/* sched_switch's prev_state: TASK_REPORT_MAX marks a preemption; 0 is TASK_RUNNING */
+#define PREV_STATE_PREEMPTED 0x100
+#define PREV_STATE_MASK 0xff
+#define PREV_STATE_EXITING 0x30 /* EXIT_DEAD | EXIT_ZOMBIE */
+
+struct runq_proc {
+    __u64 delay_ns;
+    __u64 count;
+};
+
+struct runq_hist_key {
+    __u32 tgid;
+    __u32 slot; /* log2 of the wait in microseconds */
+};
+
+/* tid -> when it became runnable */
+BPF_TABLE("lru_hash", __u32, __u64, runq_start, SITS_MAX_THREADS);
+BPF_HASH(runq_procs, __u32, struct runq_proc, SITS_MAX_PROCS);
+BPF_HASH(runq_hist, struct runq_hist_key, __u64, SITS_MAX_PROCS * 8);
+
+static __always_inline int sched_traced(__u32 tgid)
+{
+    if (!traced_tgid(tgid))
+        return 0;
+#if SITS_FILTER_PIDS || SITS_SCHED_ALL
+    return 1;
+#else
+    return sched_tgids.lookup(&tgid) != 0;
+#endif
+}
+
+static __always_inline struct runq_thread *track(__u32 tid, __u32 tgid)
+{
+    struct runq_thread fresh = {.tgid = tgid};
+    runq_threads.update(&tid, &fresh);
+    return runq_threads.lookup(&tid);
+}
+
+static __always_inline void account(struct runq_thread *t, __u64 delta)
+{
+    t->delay_ns += delta; /* only the CPU switching this thread in writes here */
+    t->count++;
+    __u32 tgid = t->tgid;
+    struct runq_proc *p = runq_procs.lookup(&tgid);
+    if (!p) {
+        struct runq_proc zero = {};
+        runq_procs.insert(&tgid, &zero);
+        p = runq_procs.lookup(&tgid);
+        if (!p)
+            return;
+    }
+    __sync_fetch_and_add(&p->delay_ns, delta);
+    __sync_fetch_and_add(&p->count, 1);
+    __u64 slot = bpf_log2l(delta / 1000);
+    if (slot >= RUNQ_SLOTS)
+        slot = RUNQ_SLOTS - 1;
+    struct runq_hist_key hk = {.tgid = tgid, .slot = (__u32)slot};
+    runq_hist.increment(hk);
+}
+
+static __always_inline int on_wakeup(__u32 tid)
+{
+    if (!runq_threads.lookup(&tid))
+        return 0;
+    __u64 now = bpf_ktime_get_ns();
+    /* keep an earlier stamp: a wakeup of a thread already queued (preempted) does not
+     * restart its wait; a sleeping thread has none (removed when it slept) */
+    runq_start.insert(&tid, &now);
+    return 0;
+}
+
+static __always_inline int on_wakeup_new(__u32 tid)
+{
+    /* `current` is the parent: right for a new thread; a forked process is corrected when
+     * it first leaves a CPU, its first wait counted in the parent's histogram */
+    __u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!sched_traced(tgid))
+        return 0;
+    if (!track(tid, tgid))
+        return 0;
+    __u64 now = bpf_ktime_get_ns();
+    runq_start.update(&tid, &now);
+    return 0;
+}
+
+/* the thread leaving the CPU is `current` */
+static __always_inline void on_switch_out(__u32 tid, long state, __u64 now)
+{
+    __u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct runq_thread *t = runq_threads.lookup(&tid);
+    if (t && t->tgid != tgid) {
+        t->tgid = tgid; /* a forked child, tracked as its parent's */
+        if (!sched_traced(tgid)) {
+            runq_threads.delete(&tid);
+            t = 0;
+        }
+    } else if (!t && sched_traced(tgid)) {
+        t = track(tid, tgid);
+    }
+    if (!t)
+        return;
+    if ((state & PREV_STATE_MASK) == 0) {
+        runq_start.update(&tid, &now); /* still runnable: waits from now */
+        return;
+    }
+    runq_start.delete(&tid);
+    if (state & PREV_STATE_EXITING)
+        runq_threads.delete(&tid);
+}
+
+static __always_inline void on_switch_in(__u32 tid, __u64 now)
+{
+    __u64 *ts = runq_start.lookup(&tid);
+    if (!ts)
+        return;
+    __u64 delta = now - *ts;
+    runq_start.delete(&tid);
+    struct runq_thread *t = runq_threads.lookup(&tid);
+    if (t)
+        account(t, delta);
+}
+
+#ifndef SITS_NO_SCHED_SCHED_WAKEUP
+TRACEPOINT_PROBE(sched, sched_wakeup)
+{
+    return on_wakeup(args->pid);
+}
+#endif
+
+#ifndef SITS_NO_SCHED_SCHED_WAKEUP_NEW
+TRACEPOINT_PROBE(sched, sched_wakeup_new)
+{
+    return on_wakeup_new(args->pid);
+}
+#endif
+
+#ifndef SITS_NO_SCHED_SCHED_SWITCH
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    __u64 now = bpf_ktime_get_ns();
+    if (args->prev_pid)
+        on_switch_out(args->prev_pid, args->prev_state, now);
+    if (args->next_pid)
+        on_switch_in(args->next_pid, now);
+    return 0;
+}
+#endif

@@ -1,0 +1,226 @@
+"""Writes the Grafana dashboards in this folder from the panel lists below.
+
+Run `python dashboards/build.py` after editing; tests/unit/test_exporters_dashboards.py
+fails when a committed JSON differs from what this writes. Each dashboard is a
+list of rows; a later issue (GPU, PCIe, RCA) adds a row or a dashboard here.
+The datasource is the `${datasource}` variable; uids are stable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SRV = "http_server_request_duration_seconds"
+CLI = "http_client_request_duration_seconds"
+SEL = 'service_name=~"$service", http_route=~"$route"'
+W = "$__rate_interval"
+
+
+def rate(metric: str, sel: str = SEL, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group} (rate({metric}{{{sel}}}[{W}]))"
+
+
+def quantile(q: float, metric: str, by: str) -> str:
+    return f"histogram_quantile({q}, {rate(metric + '_bucket', SEL, 'le, ' + by)})"
+
+
+def error_ratio(metric: str, by: str) -> str:
+    errors = rate(metric + "_count", SEL + ', http_response_status_code=~"5.."', by)
+    total = rate(metric + "_count", SEL, by)
+    return f"({errors} or {total} * 0) / {total}"  # 0, not absent, when nothing failed
+
+
+def target(expr: str, legend: str = "", ref: str = "A", **kw: Any) -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, **kw}
+
+
+def panel(title: str, targets: list[dict[str, Any]], *, kind: str = "timeseries", unit: str = "",
+          w: int = 8, h: int = 8, desc: str = "", links: list[dict[str, Any]] | None = None,
+          **options: Any) -> dict[str, Any]:
+    for i, t in enumerate(targets):
+        t["refId"] = chr(ord("A") + i)
+    p: dict[str, Any] = {
+        "type": kind, "title": title, "description": desc, "datasource": DS, "targets": targets,
+        "fieldConfig": {"defaults": {"unit": unit, "links": links or []}, "overrides": []},
+        "options": options, "gridPos": {"w": w, "h": h},
+    }
+    return p
+
+
+def row(title: str, *panels: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    return title, list(panels)
+
+
+def query_var(name: str, query: str, label: str) -> dict[str, Any]:
+    return {"name": name, "label": label, "type": "query", "datasource": DS,
+            "query": {"query": query, "refId": name}, "definition": query, "refresh": 2,
+            "includeAll": True, "multi": True, "allValue": ".*", "sort": 1,
+            "current": {"text": "All", "value": "$__all"}}
+
+
+VARIABLES = [
+    {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+     "current": {}, "hide": 0},
+    query_var("service", f"label_values({SRV}_count, service_name)", "Service"),
+    query_var("route", f'label_values({SRV}_count{{service_name=~"$service"}}, http_route)',
+              "Route"),
+    {"name": "trace_backend_url", "label": "Trace backend (Jaeger or Grafana Explore URL)",
+     "type": "textbox", "query": "http://localhost:16686",
+     "current": {"text": "http://localhost:16686", "value": "http://localhost:16686"}},
+]
+
+JAEGER_SEARCH = ("${trace_backend_url}/search?service=${__data.fields.service_name}"
+                 "&limit=20&lookback=1h&minDuration=${__value.raw}s")
+
+
+def slo_overview() -> list[tuple[str, list[dict[str, Any]]]]:
+    return [
+        row("Traffic (server spans)",
+            panel("Request rate by route", [target(rate(SRV + "_count", SEL, "http_route"),
+                                                   "{{http_route}}")], unit="reqps"),
+            panel("Error rate (5xx share) by route",
+                  [target(error_ratio(SRV, "http_route"), "{{http_route}}")], unit="percentunit"),
+            panel("Requests by status", [target(rate(SRV + "_count", SEL,
+                                                     "http_response_status_code"),
+                                                "{{http_response_status_code}}")], unit="reqps")),
+        row("Latency (server spans)",
+            *[panel(f"P{int(q * 100)} latency by route",
+                    [target(quantile(q, SRV, "http_route"), "{{http_route}}")], unit="s")
+              for q in (0.5, 0.95, 0.99)]),
+        row("Routes",
+            panel("Routes: rate, errors, P99 (click P99 for slow traces)", [
+                target(rate(SRV + "_count", SEL, "service_name, http_route"), format="table",
+                       instant=True),
+                target(error_ratio(SRV, "service_name, http_route"), format="table",
+                       instant=True),
+                target(quantile(0.99, SRV, "service_name, http_route"), format="table",
+                       instant=True),
+            ], kind="table", w=24, h=9,
+                  links=[{"title": "Traces slower than this", "url": JAEGER_SEARCH,
+                          "targetBlank": True}])),
+        row("Outgoing calls (client spans)",
+            panel("Client request rate by route",
+                  [target(rate(CLI + "_count", SEL, "service_name, http_route"),
+                          "{{service_name}} {{http_route}}")], unit="reqps", w=12),
+            panel("Client P99 latency by route",
+                  [target(quantile(0.99, CLI, "service_name, http_route"),
+                          "{{service_name}} {{http_route}}")], unit="s", w=12)),
+    ]
+
+
+def drilldown() -> list[tuple[str, list[dict[str, Any]]]]:
+    return [
+        row("Latency of the selected routes (dots are exemplars: click one for its trace)",
+            panel("P50 / P95 / P99", [target(quantile(q, SRV, "http_route"),
+                                             f"p{int(q * 100)} {{{{http_route}}}}", exemplar=True)
+                                      for q in (0.5, 0.95, 0.99)], unit="s", w=16, h=10),
+            panel("Latency distribution", [target(rate(SRV + "_bucket", SEL, "le"), "{{le}}",
+                                                  format="heatmap")],
+                  kind="heatmap", w=8, h=10)),
+        row("Slowest routes",
+            panel("Slowest routes by P99 (click for traces in the trace backend)",
+                  [target(f"topk(20, {quantile(0.99, SRV, 'service_name, http_route')})",
+                          format="table", instant=True)],
+                  kind="table", w=12, h=10,
+                  links=[{"title": "Open traces slower than this P99", "url": JAEGER_SEARCH,
+                          "targetBlank": True}]),
+            panel("Status codes of the selected routes",
+                  [target(rate(SRV + "_count", SEL, "http_route, http_response_status_code"),
+                          "{{http_route}} {{http_response_status_code}}")],
+                  unit="reqps", w=12, h=10)),
+    ]
+
+
+def agent_health() -> list[tuple[str, list[dict[str, Any]]]]:
+    return [
+        row("Kernel events",
+            panel("BPF events seen by kind", [target(
+                f"sum by (kind) (rate(sits_bpf_events_total[{W}]))", "{{kind}}")], unit="ops"),
+            panel("BPF events lost by kind", [target(
+                f"sum by (kind) (rate(sits_bpf_events_lost_total[{W}]))", "{{kind}}")],
+                  unit="ops", desc="Ring buffer full: raise trace.ringbuf_mib"),
+            panel("Parser resyncs and decode errors", [
+                target(f"rate(sits_parser_resyncs_total[{W}])", "resyncs"),
+                target(f"rate(sits_decode_errors_total[{W}])", "decode errors")], unit="ops")),
+        row("Export",
+            panel("Spans exported by exporter", [target(
+                f"sum by (exporter) (rate(sits_spans_exported_total[{W}]))", "{{exporter}}")],
+                  unit="ops"),
+            panel("Spans dropped by exporter and reason", [target(
+                f"sum by (exporter, reason) (rate(sits_spans_dropped_total[{W}]))",
+                "{{exporter}} {{reason}}")], unit="ops"),
+            panel("Export queue depth (share of capacity)", [target(
+                "sits_export_queue_spans / sits_export_queue_capacity_spans", "{{exporter}}")],
+                  unit="percentunit")),
+        row("Agent process",
+            panel("Agent CPU (cores)", [target(f"rate(sits_agent_cpu_seconds_total[{W}])",
+                                               "cpu")], unit="short"),
+            panel("Agent resident memory", [target("sits_agent_resident_memory_bytes", "rss")],
+                  unit="bytes"),
+            panel("Connections followed / probes failed", [
+                target("sits_connections_active", "active connections"),
+                target("sum(sits_probe_failed) or vector(0)", "failed probes")], unit="short")),
+    ]
+
+
+def layout(rows: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Rows stacked top to bottom, panels left to right in each; ids in order."""
+    out: list[dict[str, Any]] = []
+    y, pid = 0, 1
+    for title, panels in rows:
+        out.append({"type": "row", "title": title, "id": pid, "collapsed": False,
+                    "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}, "panels": []})
+        pid, y, x, tallest = pid + 1, y + 1, 0, 0
+        for p in panels:
+            w, h = p["gridPos"]["w"], p["gridPos"]["h"]
+            if x + w > 24:
+                x, y, tallest = 0, y + tallest, 0
+            p["gridPos"] = {"x": x, "y": y, "w": w, "h": h}
+            p["id"] = pid
+            pid, x, tallest = pid + 1, x + w, max(tallest, h)
+            out.append(p)
+        y += tallest
+    return out
+
+
+def dashboard(uid: str, title: str, rows: list[tuple[str, list[dict[str, Any]]]],
+              variables: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "uid": uid, "title": title, "tags": ["sits-trace"], "timezone": "browser",
+        "schemaVersion": 39, "version": 1, "editable": True, "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"}, "templating": {"list": variables},
+        "links": [{"title": "sits-trace", "type": "dashboards", "tags": ["sits-trace"],
+                   "asDropdown": True}],
+        "annotations": {"list": []}, "panels": layout(rows),
+    }
+
+
+DASHBOARDS = {
+    "sits-slo-overview.json": dashboard("sits-slo-overview", "sits-trace / SLO overview",
+                                        slo_overview(), VARIABLES),
+    "sits-request-drilldown.json": dashboard("sits-request-drilldown",
+                                             "sits-trace / Request drill-down", drilldown(),
+                                             VARIABLES),
+    "sits-agent-health.json": dashboard("sits-agent-health", "sits-trace / Agent health",
+                                        agent_health(), VARIABLES[:1]),
+}
+
+
+def render(d: dict[str, Any]) -> str:
+    return json.dumps(d, indent=2, sort_keys=False) + "\n"
+
+
+def main() -> int:
+    for name, d in DASHBOARDS.items():
+        (HERE / name).write_text(render(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""RED metrics of HTTP spans: duration histograms per service/method/route/status.
+
+Shared by the Prometheus exporter (aggregated here, read at scrape time) and the
+OTLP exporter (label sets only). Cardinality is bounded: routes come from
+``http.route`` or, failing that, a template of ``url.path`` (ids become ``{id}``);
+past ``max_label_sets`` distinct sets per metric a new set's route is ``_other``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import threading
+from dataclasses import dataclass, field
+
+from sits_trace.agent.model import Span
+
+# OTel semconv advisory buckets for http.*.request.duration, plus 30 s and 60 s for LLM calls
+DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                      7.5, 10.0, 30.0, 60.0)
+LABELS = ("service_name", "http_request_method", "http_route", "http_response_status_code")
+OTHER_ROUTE = "_other"
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS",
+                           "TRACE", "PATCH"})
+METRIC_OF_KIND = {"SERVER": "http.server.request.duration",
+                  "CLIENT": "http.client.request.duration"}
+
+_ID_SEGMENT = re.compile(
+    r"^(?:\d+|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+    r"|(?=[^/]*\d)[0-9a-fA-F]{12,}|(?=[^/]*\d)[A-Za-z0-9_\-.=~]{24,})$")
+_MAX_SEGMENTS = 8
+
+LabelSet = tuple[str, str, str, str]
+
+
+def path_template(path: str) -> str:
+    """A low-cardinality form of a URL path: /users/42/orders/9f1c... -> /users/{id}/orders/{id}."""
+    path = path.split("?", 1)[0].split("#", 1)[0] or "/"
+    segs = path.split("/")
+    out = ["{id}" if _ID_SEGMENT.match(s) else s for s in segs[:_MAX_SEGMENTS + 1]]
+    if len(segs) > _MAX_SEGMENTS + 1:
+        out.append("{rest}")
+    return "/".join(out)
+
+
+def span_labels(span: Span, service: str) -> LabelSet:
+    a = span.attributes
+    method = str(a.get("http.request.method", "")).upper()
+    route = a.get("http.route")
+    if not isinstance(route, str) or not route:
+        route = path_template(str(a.get("url.path", "") or "/"))
+    status = a.get("http.response.status_code")
+    return (service, method if method in KNOWN_METHODS else "_OTHER", route,
+            "" if status is None else str(status))
+
+
+class LabelLimiter:
+    """Admits at most `limit` distinct label sets; later new ones get route `_other`."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._seen: set[LabelSet] = set()
+        self.overflowed = 0  # spans whose route was folded into _other
+
+    def admit(self, labels: LabelSet) -> LabelSet:
+        if labels in self._seen:
+            return labels
+        if len(self._seen) < self._limit:
+            self._seen.add(labels)
+            return labels
+        self.overflowed += 1
+        return (labels[0], labels[1], OTHER_ROUTE, labels[3])
+
+
+# the last span seen in a bucket: (trace_id, seconds, end time in Unix seconds)
+Exemplar = tuple[str, float, float]
+
+
+@dataclass(slots=True)
+class HistogramData:
+    buckets: list[int]  # count per bucket, the last one is +Inf (not cumulative)
+    sum: float = 0.0
+    count: int = 0
+    exemplars: list[Exemplar | None] = field(default_factory=list)  # per bucket: links to traces
+
+
+class RedAggregator:
+    """Thread-safe duration histograms of server and client spans, keyed by label set."""
+
+    def __init__(self, max_label_sets: int = 1000,
+                 buckets: tuple[float, ...] = DURATION_BUCKETS_S) -> None:
+        self.buckets = buckets
+        self._lock = threading.Lock()
+        self._limiters = {m: LabelLimiter(max_label_sets) for m in METRIC_OF_KIND.values()}
+        self._data: dict[str, dict[LabelSet, HistogramData]] = {m: {} for m in METRIC_OF_KIND.values()}
+
+    def observe(self, span: Span, service: str) -> None:
+        metric = METRIC_OF_KIND.get(span.kind)
+        if metric is None:
+            return
+        seconds = max(span.end_time_unix_nano - span.start_time_unix_nano, 0) / 1e9
+        i = bisect.bisect_left(self.buckets, seconds)
+        with self._lock:
+            labels = self._limiters[metric].admit(span_labels(span, service))
+            h = self._data[metric].get(labels)
+            if h is None:
+                n = len(self.buckets) + 1
+                h = self._data[metric][labels] = HistogramData([0] * n, exemplars=[None] * n)
+            h.buckets[i] += 1
+            h.exemplars[i] = (span.trace_id, seconds, span.end_time_unix_nano / 1e9)
+            h.sum += seconds
+            h.count += 1
+
+    def snapshot(self, metric: str) -> dict[LabelSet, HistogramData]:
+        with self._lock:
+            return {k: HistogramData(list(v.buckets), v.sum, v.count, list(v.exemplars))
+                    for k, v in self._data[metric].items()}
+
+    def overflowed(self, metric: str) -> int:
+        with self._lock:
+            return self._limiters[metric].overflowed

@@ -1,0 +1,261 @@
+"""OTLP traces and metrics (gRPC or HTTP/protobuf) through opentelemetry-sdk.
+
+Our spans already carry their ids and times, so each becomes a ``ReadableSpan``
+(SpanContext, parent, kind, status, attributes, resource) handed straight to the
+SDK's ``OTLPSpanExporter`` from our own bounded queue and worker thread
+(``_queue.QueuedExporter``): a collector that is down or slow fills the queue and
+costs dropped spans, never a stalled tracing thread. The SDK exporter retries
+transient errors within its timeout; the queue retries a refused batch with
+jittered backoff until the retry deadline. Spans of one process share one cached
+``Resource`` (service.name, host.name, process.pid, container.id), so the SDK's
+encoder groups each batch by resource.
+
+Metrics: RED duration histograms of the exported spans and the agent's health,
+through the SDK's MeterProvider and a periodic OTLP metric exporter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace.status import Status, StatusCode
+from sits_trace.agent.model import Span
+
+from ._base import ExporterStats
+from ._queue import QueuedExporter, RetryPolicy
+from ._red import DURATION_BUCKETS_S, LABELS, METRIC_OF_KIND, LabelLimiter, span_labels
+from ._resource import PROCESS_KEYS, ResourceResolver
+from ._settings import OtlpSettings
+
+log = logging.getLogger(__name__)
+
+SCOPE = InstrumentationScope("sits-trace", "0.1.0")
+AgentStats = Callable[[], dict[str, Any]]
+ExporterStatsFn = Callable[[], Sequence[ExporterStats]]
+_KINDS = {"SERVER": SpanKind.SERVER, "CLIENT": SpanKind.CLIENT, "INTERNAL": SpanKind.INTERNAL,
+          "PRODUCER": SpanKind.PRODUCER, "CONSUMER": SpanKind.CONSUMER}
+# Prometheus-style labels (_red.LABELS) -> OTel attribute names
+_OTEL_ATTR = dict(zip(LABELS, ("service.name", "http.request.method", "http.route",
+                               "http.response.status_code")))
+
+
+def span_exporter(s: OtlpSettings) -> SpanExporter:
+    """The SDK's OTLP span exporter for the settings' protocol."""
+    if s.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
+
+        return GrpcSpanExporter(endpoint=s.traces_endpoint, headers=s.headers or None,
+                                timeout=s.timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpSpanExporter,
+    )
+
+    return HttpSpanExporter(endpoint=s.traces_endpoint, headers=s.headers or None,
+                            timeout=s.timeout_s)
+
+
+def metric_exporter(s: OtlpSettings) -> MetricExporter:
+    if s.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+            OTLPMetricExporter as GrpcMetricExporter,
+        )
+
+        return GrpcMetricExporter(endpoint=s.metrics_endpoint, headers=s.headers or None,
+                                  timeout=s.timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+        OTLPMetricExporter as HttpMetricExporter,
+    )
+
+    return HttpMetricExporter(endpoint=s.metrics_endpoint, headers=s.headers or None,
+                              timeout=s.timeout_s)
+
+
+def _hex_id(text: str | None, digits: int) -> int:
+    if not text or len(text) != digits:
+        return 0
+    try:
+        return int(text, 16)
+    except ValueError:
+        return 0
+
+
+def to_readable(span: Span, resource: Resource) -> ReadableSpan:
+    """Our Span as the SDK's ReadableSpan; process.* attributes live on the resource."""
+    trace_id = _hex_id(span.trace_id, 32)
+    ctx = SpanContext(trace_id, _hex_id(span.span_id, 16), is_remote=False,
+                      trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    parent_id = _hex_id(span.parent_span_id, 16)
+    parent = SpanContext(trace_id, parent_id, is_remote=True,
+                         trace_flags=TraceFlags(TraceFlags.SAMPLED)) if parent_id else None
+    attrs = {k: v for k, v in span.attributes.items() if k not in PROCESS_KEYS}
+    status = Status(StatusCode.ERROR) if span.status_code == "ERROR" else Status(StatusCode.UNSET)
+    return ReadableSpan(
+        name=span.name, context=ctx, parent=parent, resource=resource, attributes=attrs,
+        kind=_KINDS.get(span.kind, SpanKind.INTERNAL), status=status,
+        start_time=span.start_time_unix_nano, end_time=span.end_time_unix_nano,
+        instrumentation_scope=SCOPE,
+    )
+
+
+class _Resources:
+    """One Resource object per process, so a batch groups by identity."""
+
+    def __init__(self, resolver: ResourceResolver) -> None:
+        self._resolver = resolver
+        self._objs: dict[tuple[tuple[str, Any], ...], Resource] = {}
+
+    def of(self, span: Span) -> Resource:
+        attrs = self._resolver.attributes(span)
+        key = tuple(sorted(attrs.items()))
+        r = self._objs.get(key)
+        if r is None:
+            if len(self._objs) > 4096:
+                self._objs.clear()
+            r = self._objs[key] = Resource(attrs)
+        return r
+
+
+class _Metrics:
+    """RED histograms + agent health over OTLP, through the SDK's MeterProvider."""
+
+    def __init__(self, s: OtlpSettings, exporter: MetricExporter, resource: Resource,
+                 exporter_stats: ExporterStatsFn) -> None:
+        self.agent_stats: AgentStats | None = None
+        self._exporter_stats = exporter_stats
+        self._limiters = {m: LabelLimiter(s.max_label_sets) for m in METRIC_OF_KIND.values()}
+        self._service = s.service_name
+        reader = PeriodicExportingMetricReader(
+            exporter, export_interval_millis=s.metrics_interval_s * 1000,
+            export_timeout_millis=s.timeout_s * 1000)
+        views = [View(instrument_name=m, aggregation=ExplicitBucketHistogramAggregation(
+            list(DURATION_BUCKETS_S))) for m in METRIC_OF_KIND.values()]
+        self.provider = MeterProvider(metric_readers=[reader], resource=resource, views=views)
+        meter = self.provider.get_meter("sits-trace", "0.1.0")
+        self._hist = {m: meter.create_histogram(m, unit="s", description=f"Duration of {m}")
+                      for m in METRIC_OF_KIND.values()}
+        meter.create_observable_counter("sits.bpf.events", [self._kernel("kernel_seen")],
+                                        unit="{event}")
+        meter.create_observable_counter("sits.bpf.events.lost", [self._kernel("kernel_lost")],
+                                        unit="{event}")
+        meter.create_observable_gauge("sits.connections.active", [self._active],
+                                      unit="{connection}")
+        meter.create_observable_counter("sits.spans.exported", [self._exported], unit="{span}")
+        meter.create_observable_counter("sits.spans.dropped", [self._dropped], unit="{span}")
+        meter.create_observable_gauge("sits.export.queue", [self._depth], unit="{span}")
+
+    def record(self, batch: Iterable[Span], resources: _Resources) -> None:
+        for span in batch:
+            metric = METRIC_OF_KIND.get(span.kind)
+            if metric is None:
+                continue
+            service = str(resources.of(span).attributes.get("service.name", ""))
+            labels = self._limiters[metric].admit(span_labels(span, service))
+            attrs = {_OTEL_ATTR[k]: v for k, v in zip(LABELS, labels) if v != ""}
+            dur = max(span.end_time_unix_nano - span.start_time_unix_nano, 0) / 1e9
+            self._hist[metric].record(dur, attrs)
+
+    def _stats(self) -> dict[str, Any]:
+        return self.agent_stats() if self.agent_stats is not None else {}
+
+    def _kernel(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def cb(_opts: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(v, {"kind": k}) for k, v in self._stats().get(key, {}).items()]
+        return cb
+
+    def _active(self, _opts: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._stats().get("tracer", {}).get("conns_active", 0))]
+
+    def _exported(self, _opts: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(s.exported, {"exporter": s.exporter}) for s in self._exporter_stats()]
+
+    def _dropped(self, _opts: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"exporter": s.exporter, "reason": r})
+                for s in self._exporter_stats() for r, n in s.dropped.items()]
+
+    def _depth(self, _opts: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(s.queue_depth, {"exporter": s.exporter})
+                for s in self._exporter_stats()]
+
+    def shutdown(self, timeout_s: float) -> None:
+        try:
+            self.provider.shutdown(timeout_millis=timeout_s * 1000)
+        except Exception:
+            log.debug("otlp metrics: shutdown failed", exc_info=True)
+
+
+class OtlpExporter:
+    """Spans to an OTLP collector, behind a bounded queue on the exporter's own thread."""
+
+    def __init__(self, settings: OtlpSettings, *, spans: SpanExporter | None = None,
+                 metrics: MetricExporter | None = None, proc_root: str = "/proc",
+                 hostname: str | None = None, exporter_stats: ExporterStatsFn | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        self.name = f"otlp-{'grpc' if settings.protocol == 'grpc' else 'http'}"
+        self.settings = settings
+        self._resources = _Resources(ResourceResolver(
+            service_name=settings.service_name, extra=settings.resource_attributes,
+            proc_root=proc_root, hostname=hostname))
+        self._sdk = spans or span_exporter(settings)
+        self._metrics: _Metrics | None = None
+        if settings.metrics:
+            agent = Resource({"service.name": "sits-trace",
+                              "host.name": hostname or _hostname(), **settings.resource_attributes})
+            self._metrics = _Metrics(settings, metrics or metric_exporter(settings), agent,
+                                     exporter_stats or (lambda: [self.stats()]))
+        self._queue = QueuedExporter(
+            self.name, self._send, capacity=settings.queue_size, batch_size=settings.batch_size,
+            batch_delay_s=settings.batch_delay_s,
+            retry=retry or RetryPolicy(deadline_s=settings.retry_deadline_s),
+            interrupt=self._sdk.shutdown, on_batch=self._record)
+
+    def _record(self, batch: list[Span]) -> None:
+        if self._metrics is not None:
+            self._metrics.record(batch, self._resources)
+
+    def _send(self, batch: list[Span]) -> bool:
+        readable = [to_readable(s, self._resources.of(s)) for s in batch]
+        return self._sdk.export(readable) == SpanExportResult.SUCCESS
+
+    def attach_agent(self, stats: AgentStats) -> None:
+        if self._metrics is not None:
+            self._metrics.agent_stats = stats
+
+    def export(self, spans: Sequence[Span]) -> None:
+        self._queue.export(spans)
+
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        ok = self._queue.force_flush(timeout_s)
+        if self._metrics is not None:
+            try:
+                ok = self._metrics.provider.force_flush(int(timeout_s * 1000)) and ok
+            except Exception:
+                log.debug("otlp metrics: flush failed", exc_info=True)
+                ok = False
+        return ok
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._queue.shutdown(timeout_s)
+        if self._metrics is not None:
+            self._metrics.shutdown(timeout_s)
+
+    def stats(self) -> ExporterStats:
+        return self._queue.stats()
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

@@ -1,0 +1,289 @@
+"""The OTLP exporter against real in-process receivers (gRPC and HTTP/protobuf).
+
+The receivers are opentelemetry-proto's own service definitions on 127.0.0.1, so
+what is asserted is what a collector would get: span and trace ids, parent links,
+kinds, semantic-convention attributes, resources grouped per process, and a
+collector outage that costs counted drops but never a blocked tracing thread.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
+from opentelemetry.proto.trace.v1.trace_pb2 import Status as PbStatus
+from sits_trace.agent.config import ConfigError, ExportConfig
+from sits_trace.exporters._queue import RetryPolicy
+from sits_trace.exporters._settings import OtlpSettings, otlp_settings
+from sits_trace.exporters.otlp import OtlpExporter
+from sits_trace.exporters.testing import GrpcReceiver, HttpReceiver
+from sits_trace.exporters.testing import sample_span as make_span
+
+CONTAINER = "3f4c9d2b8a1e7f6c5d4b3a29180f7e6d5c4b3a2918f0e1d2c3b4a59687f6e5d4"
+
+
+@pytest.fixture
+def proc_root(tmp_path: Path) -> str:
+    """A fake /proc: pid 4242 in a containerd pod, pid 777 on the host."""
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "cgroup").write_text(
+        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1a2b.slice/"
+        f"cri-containerd-{CONTAINER}.scope\n")
+    (tmp_path / "777").mkdir()
+    (tmp_path / "777" / "cgroup").write_text("0::/user.slice/user-0.slice/session-3.scope\n")
+    return str(tmp_path)
+
+
+def settings(endpoint: str, protocol: str = "grpc", **kw: object) -> OtlpSettings:
+    cfg = ExportConfig(otlp_endpoint=endpoint, otlp_protocol=protocol, batch_delay_s=0.05,
+                       otlp_metrics=False, otlp_timeout_s=2.0)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    s = otlp_settings(cfg, {})
+    assert s is not None
+    return s
+
+
+RECEIVERS = {"grpc": GrpcReceiver, "http/protobuf": HttpReceiver}
+
+
+@pytest.fixture(params=sorted(RECEIVERS))
+def receiver(request: pytest.FixtureRequest) -> Iterator[Any]:
+    r = RECEIVERS[request.param]().start()
+    r.protocol = request.param
+    yield r
+    r.stop()
+
+
+def test_spans_arrive_with_ids_parents_kinds_attributes_and_resources(
+        receiver: Any, proc_root: str) -> None:
+    exp = OtlpExporter(settings(receiver.endpoint, receiver.protocol),
+                       proc_root=proc_root, hostname="gpu-node-7")
+    server = make_span(0)
+    client = make_span(1, pid=777, exe="python3", kind="CLIENT", trace=server.trace_id,
+                       parent=server.span_id, status=503, path="/generate")
+    exp.export([server, client])
+    assert exp.force_flush(5)
+    assert receiver.wait_spans(2)
+    exp.shutdown()
+
+    by_id = {r.span.span_id.hex(): r for r in receiver.spans}
+    assert set(by_id) == {server.span_id, client.span_id}
+    s, c = by_id[server.span_id], by_id[client.span_id]
+    assert s.span.trace_id.hex() == c.span.trace_id.hex() == server.trace_id
+    assert s.span.parent_span_id == b"" and c.span.parent_span_id.hex() == server.span_id
+    assert s.span.kind == PbSpan.SPAN_KIND_SERVER and c.span.kind == PbSpan.SPAN_KIND_CLIENT
+    assert s.span.name == "POST /v1/completions"
+    assert (s.span.start_time_unix_nano, s.span.end_time_unix_nano) == \
+        (server.start_time_unix_nano, server.end_time_unix_nano)
+    assert c.span.status.code == PbStatus.STATUS_CODE_ERROR
+    assert s.span.status.code == PbStatus.STATUS_CODE_UNSET
+    assert s.attributes["http.request.method"] == "POST"
+    assert s.attributes["url.path"] == "/v1/completions"
+    assert s.attributes["http.response.status_code"] == 200
+    assert s.attributes["server.port"] == 8000
+    assert s.attributes["http.request.header.x-request-id"] == "req-0"
+    assert s.attributes["sits.ttfb_ms"] == 12.5
+    assert "process.pid" not in s.attributes  # it is on the resource
+    assert s.resource == {"service.name": "uvicorn", "host.name": "gpu-node-7",
+                          "process.pid": 4242, "process.executable.name": "uvicorn",
+                          "container.id": CONTAINER}
+    assert c.resource == {"service.name": "python3", "host.name": "gpu-node-7",
+                          "process.pid": 777, "process.executable.name": "python3"}
+    assert s.scope == "sits-trace"
+    assert exp.stats().exported == 2
+
+
+def test_one_batch_groups_spans_by_resource(receiver: Any, proc_root: str) -> None:
+    exp = OtlpExporter(settings(receiver.endpoint, receiver.protocol,
+                                batch_delay_s=5.0, batch_size=30),
+                       proc_root=proc_root, hostname="h")
+    spans = [make_span(i, pid=4242 if i % 3 else 777, exe="uvicorn" if i % 3 else "python3")
+             for i in range(30)]
+    exp.export(spans)  # a full batch: sent at once, as one request
+    assert receiver.wait_spans(30)
+    exp.shutdown()
+    assert len(receiver.requests) == 1
+    groups = {rs.resource.attributes[0].value.string_value: len(rs.scope_spans[0].spans)
+              for rs in receiver.requests[0].resource_spans}
+    assert len(receiver.requests[0].resource_spans) == 2
+    assert sorted(groups.values()) == [10, 20]
+
+
+def test_standard_otel_environment_configures_the_exporter(proc_root: str) -> None:
+    r = HttpReceiver().start()
+    try:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": r.endpoint,
+               "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+               "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=team%20a,authorization=Bearer t0k",
+               "OTEL_EXPORTER_OTLP_TIMEOUT": "2500", "OTEL_SERVICE_NAME": "llm-gateway",
+               "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,k8s.node.name=n7"}
+        s = otlp_settings(ExportConfig(batch_delay_s=0.05, otlp_metrics=False), env)
+        assert s is not None
+        assert s.traces_endpoint == r.endpoint + "/v1/traces" and s.timeout_s == 2.5
+        exp = OtlpExporter(s, proc_root=proc_root, hostname="h")
+        exp.export([make_span(0)])
+        assert r.wait_spans(1)
+        exp.shutdown()
+        assert r.headers[0]["x-tenant"] == "team a"
+        assert r.headers[0]["authorization"] == "Bearer t0k"
+        res = r.spans[0].resource
+        assert res["service.name"] == "llm-gateway"
+        assert res["deployment.environment"] == "prod" and res["k8s.node.name"] == "n7"
+        assert res["container.id"] == CONTAINER
+    finally:
+        r.stop()
+
+
+def test_config_file_wins_over_environment() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+           "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "from-env"}
+    s = otlp_settings(ExportConfig(otlp_endpoint="http://other:4318/", service_name="cfg",
+                                   otlp_protocol="http/protobuf"), env)
+    assert s is not None
+    assert s.protocol == "http/protobuf" and s.service_name == "cfg"
+    assert s.traces_endpoint == "http://other:4318/v1/traces"
+    assert s.metrics_endpoint == "http://other:4318/v1/metrics"
+    g = otlp_settings(ExportConfig(), env)
+    assert g is not None and g.traces_endpoint == "http://collector:4317"
+    sig = otlp_settings(ExportConfig(), {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/custom/traces",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert sig is not None and sig.traces_endpoint == "http://c:4318/custom/traces"
+    assert otlp_settings(ExportConfig(), {}) is None  # no collector anywhere: no OTLP
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
+        otlp_settings(ExportConfig(), {**env, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    with pytest.raises(ConfigError, match="export.queue_size"):
+        otlp_settings(ExportConfig(queue_size=0), env)
+
+
+def test_metrics_go_over_otlp_too(proc_root: str) -> None:
+    r = GrpcReceiver().start()
+    try:
+        s = settings(r.endpoint, otlp_metrics=True, otlp_metrics_interval_s=60.0)
+        exp = OtlpExporter(s, proc_root=proc_root, hostname="h")
+        exp.attach_agent(lambda: {"kernel_seen": {"data": 10}, "kernel_lost": {"data": 1},
+                                  "tracer": {"conns_active": 3}})
+        exp.export([make_span(i) for i in range(5)] + [make_span(9, kind="CLIENT")])
+        assert exp.force_flush(10)
+        assert r.wait_for(lambda: {"http.server.request.duration", "sits.bpf.events",
+                                   "sits.bpf.events.lost"} <= r.metric_names(), 10)
+        exp.shutdown()
+        names = r.metric_names()
+        assert {"http.client.request.duration", "sits.connections.active",
+                "sits.spans.exported", "sits.export.queue"} <= names
+        hist = next(m for req in r.metrics for rm in req.resource_metrics for sm in rm.scope_metrics
+                for m in sm.metrics if m.name == "http.server.request.duration")
+        point = hist.histogram.data_points[0]
+        assert point.count == 5 and abs(point.sum - 1.25) < 1e-9
+        attrs = {kv.key: kv.value for kv in point.attributes}
+        assert attrs["http.route"].string_value == "/v1/completions"
+        assert attrs["service.name"].string_value == "uvicorn"
+    finally:
+        r.stop()
+
+
+@pytest.mark.parametrize("protocol", sorted(RECEIVERS))
+def test_nothing_listening_costs_counted_drops_and_a_bounded_shutdown(protocol: str) -> None:
+    port = _free_port()
+    s = settings(f"http://127.0.0.1:{port}", protocol, otlp_timeout_s=0.5)
+    exp = OtlpExporter(s, hostname="h",
+                       retry=RetryPolicy(initial_s=0.05, max_s=0.1, deadline_s=0.3))
+    exp.export([make_span(i) for i in range(10)])
+    assert not exp.force_flush(0.2) or exp.stats().dropped.get("export_failed") == 10
+    t0 = time.monotonic()
+    exp.shutdown(1.0)
+    assert time.monotonic() - t0 < 4
+    st = exp.stats()
+    assert st.exported == 0 and sum(st.dropped.values()) == 10
+    exp.export([make_span(99)])  # after shutdown: counted, not raised
+    assert exp.stats().dropped["shutdown"] >= 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("protocol", sorted(RECEIVERS))
+def test_collector_outage_under_load(protocol: str, proc_root: str) -> None:
+    """20k spans offered while the collector is down: export() stays fast, memory stays
+    bounded, drops are counted, and export resumes when the collector is back."""
+    r = RECEIVERS[protocol]().start()
+    port = r.port
+    cap, batch = 2000, 256
+    s = settings(r.endpoint, protocol, queue_size=cap, batch_size=batch, otlp_timeout_s=0.5)
+    exp = OtlpExporter(s, proc_root=proc_root, hostname="h",
+                       retry=RetryPolicy(initial_s=0.05, max_s=0.3, deadline_s=1.0))
+    try:
+        exp.export([make_span(i) for i in range(100)])
+        assert r.wait_spans(100)
+        r.stop()
+
+        per_span = _bytes_per_span()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        lat, offered = [], 100
+        rng = random.Random(7)
+        t_end = time.monotonic() + 2.5
+        while offered < 20_100 and time.monotonic() < t_end + 5:
+            for _ in range(500):
+                sp = make_span(offered, path=f"/v1/models/{rng.randrange(1000)}")
+                t0 = time.perf_counter()
+                exp.export([sp])
+                lat.append(time.perf_counter() - t0)
+                offered += 1
+            assert exp.stats().queue_depth <= cap
+            time.sleep(0.06)  # 20k spans over ~2.5 s: ~8k spans/s
+        peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+        st = exp.stats()
+        assert st.dropped.get("queue_full", 0) > 0
+        assert st.export_errors > 0
+        bound = per_span * (cap + batch) * 2 + 8 * 2**20
+        assert peak < bound, f"python heap grew {peak} bytes (bound {bound})"
+        lat.sort()
+        p99, worst = lat[int(len(lat) * 0.99)], lat[-1]
+        print(f"{protocol}: offered={offered} p50={statistics.median(lat)*1e6:.1f}us "
+              f"p99={p99*1e6:.1f}us max={worst*1e3:.2f}ms peak_heap={peak/2**20:.1f}MiB "
+              f"(~{per_span}B/span) dropped={st.dropped}")
+        assert p99 < 0.002 and worst < 0.05
+
+        r2 = RECEIVERS[protocol](port).start()
+        try:
+            assert r2.wait_spans(1, 20), "the queued backlog never reached the collector"
+            assert exp.force_flush(10)
+            exp.export([make_span(50_000 + i, marker="after") for i in range(50)])
+            assert r2.wait_for(lambda: sum(1 for x in r2.spans
+                                           if x.attributes.get("marker") == "after") == 50, 20)
+            assert exp.force_flush(10)
+            st = exp.stats()
+            assert st.exported + sum(st.dropped.values()) + st.queue_depth == offered + 50
+            assert st.exported == 100 + len(r2.spans)
+        finally:
+            r2.stop()
+    finally:
+        t0 = time.monotonic()
+        exp.shutdown(2)
+        assert time.monotonic() - t0 < 5
+        r.stop()
+
+
+def _bytes_per_span() -> int:
+    tracemalloc.start()
+    a = tracemalloc.get_traced_memory()[0]
+    keep = [make_span(i) for i in range(1000)]
+    b = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del keep
+    return max((b - a) // 1000, 1)
