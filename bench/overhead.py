@@ -6,7 +6,7 @@ throughput and of p99 latency. With the agent on, it traces nginx and writes
 every span as JSON to /dev/null (`sits-trace trace --json`), so span assembly
 and serialisation are in the cost. Its stats line says whether events were lost.
 
-Usage: bench/overhead.py [--pairs 5] [--seconds 5] [--connections 50] [--threads 1]
+Usage: bench/overhead.py [--pairs 5] [--seconds 5] [--connections 50] [--threads 1] [--paced-ms N]
 Writes a JSON summary to bench/results/overhead-<time>.json and prints it.
 """
 
@@ -66,9 +66,13 @@ http {{
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
 
 
+PACE_SCRIPT: str | None = None  # a wrk lua script whose delay() paces each connection
+
+
 def run_wrk(port: int, seconds: int, conns: int, threads: int) -> dict[str, float]:
+    extra = ["-s", PACE_SCRIPT] if PACE_SCRIPT else []
     out = subprocess.run(
-        ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--latency",
+        ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--latency", *extra,
          f"http://127.0.0.1:{port}/"], capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     m = re.search(r"99%\s+([\d.]+)(us|ms|s)\b", out)
@@ -99,9 +103,16 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--paced-ms", type=int, default=0,
+                    help="pace each connection (wrk delay() in ms): a steady load below saturation")
     args = ap.parse_args()
+    global PACE_SCRIPT
+    pace_dir = tempfile.mkdtemp()
     port = free_port()
     pairs: list[dict[str, object]] = []
+    if args.paced_ms:
+        PACE_SCRIPT = str(Path(pace_dir) / "pace.lua")
+        Path(PACE_SCRIPT).write_text(f"function delay() return {args.paced_ms} end\n")
     with tempfile.TemporaryDirectory() as d:
         nginx = start_nginx(Path(d), port, args.workers)
         try:
