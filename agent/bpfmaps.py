@@ -80,3 +80,49 @@ def u64(v: int) -> bytes:
 
 def as_u64(raw: bytes) -> int:
     return int.from_bytes(raw[:8], "little")
+
+
+class _ProgInfo(ctypes.Structure):
+    """The head of struct bpf_prog_info (uapi/linux/bpf.h) up to recursion_misses."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32), ("id", ctypes.c_uint32), ("tag", ctypes.c_uint8 * 8),
+        ("jited_prog_len", ctypes.c_uint32), ("xlated_prog_len", ctypes.c_uint32),
+        ("jited_prog_insns", ctypes.c_uint64), ("xlated_prog_insns", ctypes.c_uint64),
+        ("load_time", ctypes.c_uint64), ("created_by_uid", ctypes.c_uint32),
+        ("nr_map_ids", ctypes.c_uint32), ("map_ids", ctypes.c_uint64),
+        ("name", ctypes.c_char * 16), ("ifindex", ctypes.c_uint32),
+        ("gpl_compatible", ctypes.c_uint32), ("netns_dev", ctypes.c_uint64),
+        ("netns_ino", ctypes.c_uint64), ("nr_jited_ksyms", ctypes.c_uint32),
+        ("nr_jited_func_lens", ctypes.c_uint32), ("jited_ksyms", ctypes.c_uint64),
+        ("jited_func_lens", ctypes.c_uint64), ("btf_id", ctypes.c_uint32),
+        ("func_info_rec_size", ctypes.c_uint32), ("func_info", ctypes.c_uint64),
+        ("nr_func_info", ctypes.c_uint32), ("nr_line_info", ctypes.c_uint32),
+        ("line_info", ctypes.c_uint64), ("jited_line_info", ctypes.c_uint64),
+        ("nr_jited_line_info", ctypes.c_uint32), ("line_info_rec_size", ctypes.c_uint32),
+        ("jited_line_info_rec_size", ctypes.c_uint32), ("nr_prog_tags", ctypes.c_uint32),
+        ("prog_tags", ctypes.c_uint64), ("run_time_ns", ctypes.c_uint64),
+        ("run_cnt", ctypes.c_uint64), ("recursion_misses", ctypes.c_uint64),
+    ]
+
+
+class _InfoAttr(ctypes.Structure):
+    _fields_ = [("bpf_fd", ctypes.c_uint32), ("info_len", ctypes.c_uint32),
+                ("info", ctypes.c_uint64)]
+
+
+_SYS_BPF = 321  # x86-64
+_BPF_OBJ_GET_INFO_BY_FD = 15
+
+
+def recursion_misses(prog_fd: int) -> int | None:
+    """How often the kernel skipped this program because another BPF program was running on
+    the CPU (tracepoint programs do not nest): events the program never saw."""
+    info = _ProgInfo()
+    attr = _InfoAttr(prog_fd, ctypes.sizeof(info), ctypes.addressof(info))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_BPF, _BPF_OBJ_GET_INFO_BY_FD, ctypes.byref(attr), ctypes.sizeof(attr)):
+        return None
+    if attr.info_len < _ProgInfo.recursion_misses.offset + 8:
+        return None
+    return int(info.recursion_misses)

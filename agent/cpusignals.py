@@ -47,7 +47,7 @@ class RunqThreadC(ctypes.Structure):
         ("delay_ns", ctypes.c_uint64),
         ("count", ctypes.c_uint64),
         ("tgid", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint32),
+        ("untimed", ctypes.c_uint32),
     ]
 
 
@@ -61,14 +61,15 @@ class RunqHistKeyC(ctypes.Structure):
 
 @dataclass(frozen=True, slots=True)
 class RunqCounter:
-    delay_ns: int
-    count: int
+    delay_ns: int  # run-queue wait of the waits timed
+    count: int  # waits timed
     tgid: int
+    untimed: int  # runs whose wait was not seen (lower bound then), see sched.c
 
 
 def decode_runq_thread(raw: bytes) -> RunqCounter:
     t = RunqThreadC.from_buffer_copy(raw[: ctypes.sizeof(RunqThreadC)])
-    return RunqCounter(t.delay_ns, t.count, t.tgid)
+    return RunqCounter(t.delay_ns, t.count, t.tgid, t.untimed)
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 from .config import STATS_PATH, Config
 from .events import Kind
+from .gpusignals import GpuSignalConfig, GpuSignals, cuda_options
 from .loader import EventSource, Kernel, LoadOptions, RingSource, load
 from .pipeline import Rescans, SpanSink, Tracer
 from .probes import TLS_UPROBES, mapped_libraries
@@ -38,8 +39,11 @@ def clock_offset_ns() -> int:
 
 class Agent:
     def __init__(self, cfg: Config, sink: SpanSink, *, procfs: ProcFS | None = None,
-                 source_factory: Callable[[Kernel], EventSource] | None = None) -> None:
+                 source_factory: Callable[[Kernel], EventSource] | None = None,
+                 gpu: GpuSignalConfig | None = None) -> None:
         self.cfg = cfg
+        self._gpu_cfg = gpu or GpuSignalConfig()
+        self.gpu: GpuSignals | None = None
         self.sink = sink
         self.procfs = procfs or ProcFS()
         self.kernel: Kernel | None = None
@@ -62,9 +66,10 @@ class Agent:
             ringbuf_pages=t.ringbuf_mib * 256, max_payload=t.capture_bytes,
             target_pids=pids, tls=t.tls, ssl_libraries=t.ssl_libraries,
         )
-        self.kernel = load(opts)
+        self.kernel = load(cuda_options(opts, self._gpu_cfg))
         source = self._source_factory(self.kernel)
-        builder = SpanBuilder(clock_offset_ns=clock_offset_ns())
+        offset = clock_offset_ns()
+        builder = SpanBuilder(clock_offset_ns=offset)
         self._rescans = Rescans(self._check_libraries)
         self.tracer = Tracer(
             source, self.sink, builder, procfs=self.procfs, port=t.port or None,
@@ -72,9 +77,12 @@ class Agent:
             idle_ns=int(t.idle_timeout_s * 1e9),
         )
         self.tracer.prefill(pids or self.procfs.pids(), self.kernel.register_conn)
+        self.gpu = GpuSignals.from_kernel(self.kernel, self._gpu_cfg, proc_root=self.procfs.root,
+                                          clock_offset_ns=offset)
+        self.gpu.install(self.tracer)
 
     def _on_exec(self, pid: int) -> None:
-        if self._rescans is not None and self.cfg.trace.tls:
+        if self._rescans is not None and (self.cfg.trace.tls or self._gpu_cfg.cuda):
             self._rescans.schedule(pid)
 
     def _check_libraries(self, pid: int) -> None:
@@ -83,11 +91,15 @@ class Agent:
         for lib in mapped_libraries(pid, "libssl", self.procfs.root):
             if lib not in self.kernel.attached_libraries():
                 self.kernel.attach_uprobes(lib, TLS_UPROBES)
+        if self.gpu is not None:
+            self.gpu.check_process(pid)  # libcuda, probed once per file
 
     def step(self) -> None:
         assert self.tracer is not None and self._rescans is not None
         self.tracer.poll(self.cfg.trace.poll_ms)
         self._rescans.run_due()
+        if self.gpu is not None:
+            self.gpu.poll()
 
     def run(self, stop: threading.Event, duration_s: float | None = None) -> None:
         deadline = time.monotonic() + duration_s if duration_s else None
@@ -105,6 +117,8 @@ class Agent:
             if not self.tracer.poll(0):
                 break
         self.tracer.close_all()
+        if self.gpu is not None:
+            self.gpu.stop()
         self._maybe_write_stats(force=True)
 
     def stats(self) -> dict[str, Any]:

@@ -158,6 +158,15 @@ def _agent_stats() -> Check:
 EXTRA_CHECKS: list[Callable[[], list[Check]]] = []  # other stages add theirs (CUDA, TCP...)
 
 
+def _cuda_checks() -> list[Check]:
+    from .cuda import doctor_checks  # noqa: PLC0415
+
+    return doctor_checks()
+
+
+EXTRA_CHECKS.append(_cuda_checks)  # libcuda symbols the CUDA probes need (never core)
+
+
 def run_checks() -> list[Check]:
     checks = [_privileges(), _bcc(), _bpf_syscall(), _btf(), _tracefs(), _headers()]
     checks += tracepoint_checks(HTTP_TRACEPOINTS, tracefs_root())

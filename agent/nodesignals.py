@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .bpfmaps import BccMaps, MapAccess
+from .bpfmaps import BccMaps, MapAccess, recursion_misses
 from .cpusignals import SCHED_PROGRAM, SCHED_TRACEPOINTS, SchedSample, SchedSignals
 from .events import Kind
 from .loader import Kernel, LoadOptions
@@ -59,7 +59,7 @@ def tracepoint_fields(root: Path | None, category: str, event: str) -> dict[str,
             continue
         decl = line[len("field:"):].split(";", 1)[0].strip()
         ctype, _, name = decl.rpartition(" ")
-        out[name.split("[", 1)[0]] = ctype + ("[" + name.split("[", 1)[1] if "[" in name else "")
+        out[name.split("[", 1)[0]] = ctype
     return out
 
 
@@ -164,7 +164,21 @@ def doctor_checks() -> list[Check]:
     return tracepoint_checks([*TCP_TRACEPOINTS, *SCHED_TRACEPOINTS], tracefs_root())
 
 
-def stats(node: NodeSignals) -> dict[str, Any]:
+def stats(node: NodeSignals, kernel: Kernel | None = None) -> dict[str, Any]:
     """What the agent's own stats file shows of node signals."""
-    return {"tcp": node.tcp is not None, "sched": node.sched is not None,
-            "tcp_decode_errors": node.tcp.decode_errors if node.tcp else 0}
+    out: dict[str, Any] = {"tcp": node.tcp is not None, "sched": node.sched is not None,
+                           "tcp_decode_errors": node.tcp.decode_errors if node.tcp else 0}
+    if kernel is not None:
+        out["program_misses"] = {k: v for k, v in program_misses(kernel).items() if v}
+    return out
+
+
+def program_misses(kernel: Kernel) -> dict[str, int]:
+    """Per program: runs the kernel skipped because another BPF program was running on the CPU
+    (tracepoint programs do not nest), i.e. events the counters never saw."""
+    out: dict[str, int] = {}
+    for name, fn in kernel.bpf.funcs.items():
+        n = recursion_misses(fn.fd)
+        if n is not None:
+            out[name.decode() if isinstance(name, bytes) else str(name)] = n
+    return out

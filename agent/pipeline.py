@@ -166,6 +166,8 @@ class Tracer:
                             peer_port=ev.peer_port, comm=self._exe_name(ev.pid, ev.comm))
             if ev.role is Role.SERVER:
                 info.local_address, info.local_port = self._listener(ev.pid, ev.listen_fd)
+            if not info.local_port or not info.peer_address:
+                self._from_proc(info)
             self._add(info)
             return
         c = self._conns.pop(ev.conn_id, None)
@@ -178,6 +180,17 @@ class Tracer:
             c.info.tls = True
             self._drop_tls_streams(ev.pid, c.info)
         c.parser.close(ev.ts_ns)
+
+    def _from_proc(self, info: ConnInfo) -> None:
+        """Addresses the probes could not see (accept() entered before the agent started)."""
+        ino = self.procfs.socket_inode(info.pid, info.fd)
+        sock = self.procfs.tcp_sockets(info.pid).get(ino) if ino is not None else None
+        if sock is None:
+            return
+        if info.role is Role.SERVER and not info.local_port:
+            info.local_address, info.local_port = sock.local_address, sock.local_port
+        if not info.peer_address:
+            info.peer_address, info.peer_port = sock.remote_address, sock.remote_port
 
     def _add(self, info: ConnInfo) -> _Conn:
         c = self._new_conn(info)

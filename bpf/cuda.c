@@ -112,12 +112,16 @@ struct cuda_slot_key {
     __u32 _pad;
 };
 
-/* launches and sync waits of one process in one slot (a wait goes to the slot it ended in) */
+/* launches and sync waits of one process in one slot (a wait goes to the slot it ended in);
+ * first_ns/last_ns bound the slot's activity so a window that holds all of it counts all of
+ * it (updated without atomics: a concurrent CPU may leave them a little narrow) */
 struct cuda_slot {
     __u64 launches;
     __u64 graph_launches;
     __u64 syncs;
     __u64 sync_ns;
+    __u64 first_ns;
+    __u64 last_ns;
 };
 
 /* a copy, sync or allocation call in progress on a thread */
@@ -152,7 +156,15 @@ static __always_inline struct cuda_slot *cuda_slot_of(__u32 tgid, __u64 ts)
     struct cuda_slot zero = {};
     k.slot = ts >> SITS_CUDA_SLOT_SHIFT;
     k.tgid = tgid;
-    return cuda_slots.lookup_or_try_init(&k, &zero);
+    zero.first_ns = ts;
+    struct cuda_slot *s = cuda_slots.lookup_or_try_init(&k, &zero);
+    if (s) {
+        if (ts < s->first_ns)
+            s->first_ns = ts;
+        if (ts > s->last_ns)
+            s->last_ns = ts;
+    }
+    return s;
 }
 
 /* ---- launches: entry only ---- */

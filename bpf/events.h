@@ -145,9 +145,9 @@ BPF_PERCPU_ARRAY(since_wakeup, __u64, 1);
 /* per thread, kept by sched.c: run-queue wait, like /proc/<tid>/schedstat's second field */
 struct runq_thread {
     __u64 delay_ns; /* waits completed since the thread was first tracked */
-    __u64 count;
+    __u64 count;    /* waits timed */
     __u32 tgid;
-    __u32 _pad;
+    __u32 untimed;  /* runs on a CPU whose wait went unseen (a probe run the kernel skipped) */
 };
 #if SITS_SCHED
 BPF_TABLE("lru_hash", __u32, struct runq_thread, runq_threads, SITS_MAX_THREADS);

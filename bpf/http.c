@@ -127,8 +127,13 @@ static __always_inline int on_accept_exit(long ret)
 {
     __u64 id = bpf_get_current_pid_tgid();
     struct accept_args *a = accept_inflight.lookup(&id);
-    if (!a)
+    if (!a) {
+        /* the thread was already blocked in accept() when the agent attached: trace the
+         * connection anyway; the agent finds its addresses in /proc */
+        if (ret >= 0 && traced_tgid(id >> 32))
+            register_conn(id >> 32, (int)ret, ROLE_SERVER, 0, -1);
         return 0;
+    }
     if (ret >= 0)
         register_conn(id >> 32, (int)ret, ROLE_SERVER, a->addr, a->listen_fd);
     accept_inflight.delete(&id);

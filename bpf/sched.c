@@ -136,8 +136,13 @@ static __always_inline void on_switch_out(__u32 tid, long state, __u64 now)
 static __always_inline void on_switch_in(__u32 tid, __u64 now)
 {
     __u64 *ts = runq_start.lookup(&tid);
-    if (!ts)
+    if (!ts) {
+        /* a tracked thread arrives with no stamp: its wakeup or preemption was not seen */
+        struct runq_thread *u = runq_threads.lookup(&tid);
+        if (u)
+            __sync_fetch_and_add(&u->untimed, 1);
         return;
+    }
     __u64 delta = now - *ts;
     runq_start.delete(&tid);
     struct runq_thread *t = runq_threads.lookup(&tid);

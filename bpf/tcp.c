@@ -116,8 +116,9 @@ struct tcp_addr {
     __u8 addr[16];
 };
 
-/* TIME_WAIT entries by port: the local port (side 0), or the peer's port when the local port is
- * ephemeral (side 1: a client's connections to one service share it) */
+/* TIME_WAIT entries by port: the local port (side 0: this host accepted the connection), or
+ * the peer's port (side 1: this host connected, from an ephemeral port; a client's connections
+ * to one service share the peer's port) */
 struct tw_key {
     __u16 port;
     __u8 side;
@@ -345,12 +346,15 @@ static __always_inline void on_established(struct tcp_key *k, int old, __u64 ska
     tcp_peers.update(&pk, &la);
 }
 
-static __always_inline void count_time_wait(struct tcp_key *k)
+static __always_inline void count_time_wait(struct tcp_key *k, struct tcp_conn *c)
 {
     struct tw_key tk = {};
-    int ephemeral = k->lport >= SITS_EPHEMERAL_LO && k->lport <= SITS_EPHEMERAL_HI;
-    tk.port = ephemeral ? k->rport : k->lport;
-    tk.side = ephemeral ? 1 : 0;
+    /* the side that connected has an ephemeral local port: count it under the peer's port;
+     * for a connection opened before the agent, judge by the ephemeral range */
+    int by_peer = (c && c->opened_ns) ? c->active
+                  : (k->lport >= SITS_EPHEMERAL_LO && k->lport <= SITS_EPHEMERAL_HI);
+    tk.port = by_peer ? k->rport : k->lport;
+    tk.side = by_peer ? 1 : 0;
     tcp_tw_ports.increment(tk);
     tcp_total(TT_TIME_WAIT);
 }
@@ -363,7 +367,7 @@ static __always_inline void on_close(struct tcp_key *k, int old, __u64 skaddr)
      * reset ended it */
     int tw = (old == ST_FIN_WAIT2 || old == ST_CLOSING) && !(c && c->rst_pending);
     if (tw)
-        count_time_wait(k);
+        count_time_wait(k, c);
     if (!c)
         return;
     __u64 now = bpf_ktime_get_ns();

@@ -17,6 +17,8 @@ through the SDK's MeterProvider and a periodic OTLP metric exporter.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -136,7 +138,7 @@ class _Metrics:
         self.agent_stats: AgentStats | None = None
         self._exporter_stats = exporter_stats
         self._limiters = {m: LabelLimiter(s.max_label_sets) for m in METRIC_OF_KIND.values()}
-        self._service = s.service_name
+        self._exporter = exporter
         reader = PeriodicExportingMetricReader(
             exporter, export_interval_millis=s.metrics_interval_s * 1000,
             export_timeout_millis=s.timeout_s * 1000)
@@ -190,10 +192,22 @@ class _Metrics:
                 for s in self._exporter_stats()]
 
     def shutdown(self, timeout_s: float) -> None:
-        try:
-            self.provider.shutdown(timeout_millis=timeout_s * 1000)
-        except Exception:
-            log.debug("otlp metrics: shutdown failed", exc_info=True)
+        """The provider's last export, cut short after timeout_s (the SDK retries for longer)."""
+        def last_export() -> None:
+            try:
+                self.provider.shutdown(timeout_millis=timeout_s * 1000)
+            except Exception:
+                log.debug("otlp metrics: shutdown failed", exc_info=True)
+
+        t = threading.Thread(target=last_export, name="sits-otlp-metrics-stop", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            try:
+                self._exporter.shutdown(timeout_millis=0)  # ends the SDK's retry wait
+            except Exception:
+                log.debug("otlp metrics: exporter shutdown failed", exc_info=True)
+            t.join(1.0)
 
 
 class OtlpExporter:
@@ -247,9 +261,11 @@ class OtlpExporter:
         return ok
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Flush spans, then metrics; bounded by timeout_s (plus 1 s for the metrics' last try)."""
+        deadline = time.monotonic() + timeout_s
         self._queue.shutdown(timeout_s)
         if self._metrics is not None:
-            self._metrics.shutdown(timeout_s)
+            self._metrics.shutdown(max(deadline - time.monotonic(), 1.0))
 
     def stats(self) -> ExporterStats:
         return self._queue.stats()

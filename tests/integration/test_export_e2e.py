@@ -265,13 +265,14 @@ def test_every_dashboard_query_returns_data(web: tuple[int, int], tmp_path: Path
             assert not failures, "\n".join(failures)
             print(f"{len(queries)} dashboard queries returned data")
             now = time.time()
-            ex = promql(prom, "http_server_request_duration_seconds_bucket", "query_exemplars",
-                        start=str(now - 120), end=str(now))
+            ex = promql(prom, 'http_server_request_duration_seconds_bucket{http_route="/models/{id}"}',
+                        "query_exemplars", start=str(now - 120), end=str(now))
             trace_ids = {e["labels"]["trace_id"] for s in ex["data"] for e in s["exemplars"]}
-            exported = {json.loads(x)["trace_id"] for x in spans_file.read_text().splitlines()}
-            assert trace_ids and trace_ids <= exported  # exemplars link to real traces
-            print(f"{len(trace_ids)} exemplar trace ids, all among {len(exported)} spans' traces")
     finally:
         rc = agent.stop()
     assert rc == 0, "".join(agent.err)
+    # read after the agent stopped: every span it saw is in the file by now
+    exported = {json.loads(x)["trace_id"] for x in spans_file.read_text().splitlines()}
+    assert trace_ids and trace_ids <= exported  # exemplars link to real traces
+    print(f"{len(trace_ids)} exemplar trace ids, all among {len(exported)} spans' traces")
 

@@ -287,3 +287,25 @@ def _bytes_per_span() -> int:
     tracemalloc.stop()
     del keep
     return max((b - a) // 1000, 1)
+
+
+def test_slow_collector_never_stalls_the_caller(proc_root: str) -> None:
+    r = GrpcReceiver().start()
+    r.delay_s = 0.3  # every export request takes 300 ms
+    s = settings(r.endpoint, queue_size=1000, batch_size=100)
+    exp = OtlpExporter(s, proc_root=proc_root, hostname="h")
+    try:
+        worst = 0.0
+        for i in range(5000):
+            t0 = time.perf_counter()
+            exp.export([make_span(i)])
+            worst = max(worst, time.perf_counter() - t0)
+        assert worst < 0.05
+        assert exp.stats().dropped["queue_full"] > 0
+        assert exp.force_flush(15)
+        st = exp.stats()
+        assert st.exported == len(r.spans) > 0
+        assert st.exported + st.dropped["queue_full"] == 5000
+    finally:
+        exp.shutdown()
+        r.stop()
