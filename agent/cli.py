@@ -113,7 +113,8 @@ def trace(
         _fail(str(exc))
     typer.echo("sits-trace: tracing; Ctrl-C to stop", err=True)
     agent.run(stop, duration)
-    agent.tracer.source.close() if agent.tracer else None
+    if agent.tracer is not None:
+        agent.tracer.source.close()  # closes the --record file
     for line in format_stats_lines(agent.stats()):
         typer.echo(f"sits-trace: {line}", err=True)
 

@@ -34,6 +34,13 @@
 #define SITS_FILTER_PIDS 0 /* 1: only processes in `target_pids` */
 #endif
 
+#ifndef AF_INET
+#define AF_INET 2
+#endif
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif
+
 enum sits_kind {
     EV_CONN_OPEN = 1,
     EV_CONN_CLOSE = 2,

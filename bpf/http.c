@@ -11,12 +11,6 @@
  */
 #include "events.h"
 
-#ifndef AF_INET
-#define AF_INET 2
-#endif
-#ifndef AF_INET6
-#define AF_INET6 10
-#endif
 #define SITS_MAX_IOV 8
 
 struct accept_args {

@@ -20,12 +20,6 @@
 #ifndef IPPROTO_TCP
 #define IPPROTO_TCP 6
 #endif
-#ifndef AF_INET
-#define AF_INET 2
-#endif
-#ifndef AF_INET6
-#define AF_INET6 10
-#endif
 #ifndef SITS_EPHEMERAL_LO
 #define SITS_EPHEMERAL_LO 32768 /* net.ipv4.ip_local_port_range, passed by the agent */
 #endif

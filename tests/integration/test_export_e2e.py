@@ -28,28 +28,12 @@ from typing import Any
 import pytest
 from sits_trace.exporters.testing import GrpcReceiver, HttpReceiver
 
+from .harness import SITS, free_port, wait_port
+
 pytestmark = [pytest.mark.bpf, pytest.mark.timeout(240)]
 
-SITS = str(Path(sys.executable).parent / "sits-trace")
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 PROMETHEUS = "/usr/bin/prometheus"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")
