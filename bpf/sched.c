@@ -125,7 +125,9 @@ static __always_inline void on_switch_out(__u32 tid, long state, __u64 now)
     if (!t)
         return;
     if ((state & PREV_STATE_MASK) == 0) {
-        runq_start.update(&tid, &now); /* still runnable: waits from now */
+        /* still runnable: waits from now, unless a wakeup that raced this switch already
+         * stamped it (the wakeup is when the kernel queued it) */
+        runq_start.insert(&tid, &now);
         return;
     }
     runq_start.delete(&tid);
