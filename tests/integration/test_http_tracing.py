@@ -85,8 +85,10 @@ def test_nginx_methods_statuses_and_timing(tracer: Tracer, nginx: Nginx, scheme:
         log = nginx.log_entries(r)
         assert len(log) == 1 and int(log[0][1]) == status
         nginx_ms = float(log[0][2]) * 1000
-        # nginx's $request_time has millisecond resolution
-        assert abs(duration_ms(s) - nginx_ms) <= 1.0 + 1e-6, (duration_ms(s), nginx_ms)
+        # nginx's $request_time is the difference of two readings of its cached millisecond
+        # clock: each truncated to the ms, so it is below the true time by up to 1 ms, and a
+        # stale cache adds a little (seen once: 1.006 ms traced against "0.000")
+        assert -0.25 <= duration_ms(s) - nginx_ms <= 1.25, (duration_ms(s), nginx_ms)
         assert s["status"]["code"] == ("ERROR" if status >= 500 else "UNSET")
 
 
