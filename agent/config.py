@@ -55,9 +55,23 @@ class ExportConfig:
 
 
 @dataclass(slots=True)
+class SignalsConfig:
+    """Node signals beside the spans (docs/gpu.md); each can be turned off."""
+
+    tcp: bool = True  # bpf/tcp.c: retransmits, resets, TIME_WAIT, RTT (sits.tcp.*)
+    sched: bool = True  # bpf/sched.c: run-queue delay of traced threads (sits.cpu.*)
+    sched_all: bool = False  # every process's threads, not only those with traced connections
+    cuda: bool = True  # bpf/cuda.c: libcuda uprobes (sits.cuda.*)
+    nvml: bool = True  # GPU state through NVML (sits.gpu.*)
+    features: bool = True  # the per-second feature frame (RCA input, node metrics)
+    features_keep_s: int = 3600  # rows (seconds) the frame keeps
+
+
+@dataclass(slots=True)
 class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    signals: SignalsConfig = field(default_factory=SignalsConfig)
 
     def validate(self) -> Config:
         t = self.trace
@@ -76,7 +90,11 @@ class Config:
         if e.otlp_endpoint and "://" not in e.otlp_endpoint:
             raise ConfigError(f"export.otlp_endpoint: {e.otlp_endpoint!r} needs a scheme, "
                               "e.g. http://localhost:4317")
+        _range("signals.features_keep_s", self.signals.features_keep_s, 10, 86400)
         return self
+
+
+SECTIONS = ("trace", "export", "signals")
 
 
 def _range(key: str, v: float, lo: float, hi: float) -> None:
@@ -116,14 +134,14 @@ def _coerce(key: str, current: Any, raw: Any) -> Any:
             raise ValueError(raw)
         return raw
     except (TypeError, ValueError):
-        kind = type(current).__name__
-        raise ConfigError(f"{key}: {raw!r} is not a valid {kind}") from None
+        raise ConfigError(f"{key}: {raw!r} is not a valid {type(current).__name__}") from None
 
 
 def _apply(cfg: Config, section: str, values: Mapping[str, Any], origin: str) -> None:
-    sub = getattr(cfg, section, None)
+    sub = getattr(cfg, section, None) if section in SECTIONS else None
     if sub is None:
-        raise ConfigError(f"{origin}: unknown section [{section}] (allowed: trace, export)")
+        raise ConfigError(f"{origin}: unknown section [{section}] "
+                          f"(allowed: {', '.join(SECTIONS)})")
     names = {f.name for f in fields(sub)}
     for k, v in values.items():
         if k not in names:
@@ -148,7 +166,7 @@ def load(path: str | Path | None = None, env: Mapping[str, str] | None = None,
                 raise ConfigError(f"{path}: {section} must be a [section] table")
             _apply(cfg, section, values, str(path))
     environ = os.environ if env is None else env
-    for section in ("trace", "export"):
+    for section in SECTIONS:
         prefix = f"SITS_{section.upper()}_"
         vals = {k[len(prefix):].lower(): v for k, v in environ.items() if k.startswith(prefix)}
         if vals:

@@ -196,6 +196,10 @@ class SchedSignals:
 
     # ---- per-second numbers ----
 
+    def proc_totals(self) -> dict[int, tuple[int, int]]:
+        """Per tracked process since its tracking began: (run-queue wait ns, waits)."""
+        return self._procs()
+
     def _procs(self) -> dict[int, tuple[int, int]]:
         out: dict[int, tuple[int, int]] = {}
         for k, v in self.maps.items("runq_procs"):

@@ -1,28 +1,34 @@
 """The agent: kernel programs + ring reader + tracer + library watcher, driven in one loop.
 
 `sits-trace trace` and `sits-trace run` both drive an Agent; they differ in where
-spans go and how long it runs.
+spans go and how long it runs. Beside the spans it keeps the node signals ([signals] in the
+config): TCP and run-queue numbers (nodesignals), CUDA and NVML (gpusignals), each an annotator
+of the spans, and the per-second feature frame they feed (`agent.features`, for RCA and the
+metrics exporters through `metric_samples()`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from . import nodesignals
 from .config import STATS_PATH, Config
 from .events import Kind
+from .features import FeatureFrame, MetricSample, cuda_counter_samples, metric_samples
 from .gpusignals import GpuSignalConfig, GpuSignals, cuda_options
 from .loader import EventSource, Kernel, LoadOptions, RingSource, load
+from .nodesignals import NodeSignalConfig, NodeSignals
 from .pipeline import Rescans, SpanSink, Tracer
-from .probes import TLS_UPROBES, mapped_libraries
+from .probes import TLS_UPROBES, mapped_libraries, tracefs_root
 from .procfs import ProcFS
 from .spans import SpanBuilder
+
 
 def clock_offset_ns() -> int:
     """Unix time minus CLOCK_MONOTONIC (the clock bpf_ktime_get_ns reads)."""
@@ -37,13 +43,25 @@ def clock_offset_ns() -> int:
     return best[1]
 
 
+def _tracefs() -> Path | None:
+    try:
+        return tracefs_root()
+    except OSError:  # unreadable without privileges: load() ends that in one line
+        return None
+
+
 class Agent:
     def __init__(self, cfg: Config, sink: SpanSink, *, procfs: ProcFS | None = None,
                  source_factory: Callable[[Kernel], EventSource] | None = None,
                  gpu: GpuSignalConfig | None = None) -> None:
         self.cfg = cfg
-        self._gpu_cfg = gpu or GpuSignalConfig()
+        sig = cfg.signals
+        g = gpu or GpuSignalConfig()
+        self._gpu_cfg = replace(g, cuda=g.cuda and sig.cuda, nvml=g.nvml and sig.nvml)
+        self._node_cfg = NodeSignalConfig(tcp=sig.tcp, sched=sig.sched, sched_all=sig.sched_all)
         self.gpu: GpuSignals | None = None
+        self.node: NodeSignals | None = None
+        self.features: FeatureFrame | None = None
         self.sink = sink
         self.procfs = procfs or ProcFS()
         self.kernel: Kernel | None = None
@@ -66,7 +84,9 @@ class Agent:
             ringbuf_pages=t.ringbuf_mib * 256, max_payload=t.capture_bytes,
             target_pids=pids, tls=t.tls, ssl_libraries=t.ssl_libraries,
         )
-        self.kernel = load(cuda_options(opts, self._gpu_cfg))
+        add = nodesignals.load_additions(self._node_cfg, _tracefs(), self.procfs.root)
+        # both append to extra_programs/defines/tracepoints: they compose in either order
+        self.kernel = load(nodesignals.extend_options(cuda_options(opts, self._gpu_cfg), add))
         source = self._source_factory(self.kernel)
         offset = clock_offset_ns()
         builder = SpanBuilder(clock_offset_ns=offset)
@@ -76,14 +96,40 @@ class Agent:
             on_process_exec=self._on_exec, on_process_exit=self.kernel.forget_pid,
             idle_ns=int(t.idle_timeout_s * 1e9),
         )
-        self.tracer.prefill(pids or self.procfs.pids(), self.kernel.register_conn)
+        self.node = NodeSignals.from_kernel(self.kernel, proc_root=self.procfs.root)
+        self.node.install(self.tracer)
+        with_conns: set[int] = set()
+        register = self.kernel.register_conn
+
+        def prefill(pid: int, fd: int, conn_id: int, role: int) -> None:
+            with_conns.add(pid)
+            register(pid, fd, conn_id, role)
+
+        self.tracer.prefill(pids or self.procfs.pids(), prefill)
+        self.node.track_processes(sorted(set(pids) | with_conns))
         self.gpu = GpuSignals.from_kernel(self.kernel, self._gpu_cfg, proc_root=self.procfs.root,
                                           clock_offset_ns=offset)
         self.gpu.install(self.tracer)
+        self.features = self._feature_frame(offset)
+
+    def _feature_frame(self, offset: int) -> FeatureFrame | None:
+        """The per-second frame of whatever signals this node has (GPU or not)."""
+        assert self.node is not None and self.gpu is not None
+        providers = self.node.providers()
+        if not self.cfg.signals.features or not (providers or self.gpu.sampler or self.gpu.cuda):
+            return None
+        frame = FeatureFrame(sampler=self.gpu.sampler, cuda=self.gpu.cuda, providers=providers,
+                             keep_s=self.cfg.signals.features_keep_s, clock_offset_ns=offset)
+        frame.start()
+        return frame
 
     def _on_exec(self, pid: int) -> None:
         if self._rescans is not None and (self.cfg.trace.tls or self._gpu_cfg.cuda):
             self._rescans.schedule(pid)
+        if self.node is not None and self.cfg.trace.pids:
+            # a traced process's child ran exec: its threads count from now (without --pid,
+            # http.c starts tracking a process at its first traced read or write)
+            self.node.track_processes([pid])
 
     def _check_libraries(self, pid: int) -> None:
         if self.kernel is None:
@@ -117,6 +163,8 @@ class Agent:
             if not self.tracer.poll(0):
                 break
         self.tracer.close_all()
+        if self.features is not None:
+            self.features.stop()
         if self.gpu is not None:
             self.gpu.stop()
         self._maybe_write_stats(force=True)
@@ -132,7 +180,24 @@ class Agent:
             out["kernel_lost"] = {names.get(k, str(k)): v for k, v in self.kernel.counters("lost").items()}
             out["probes"] = [asdict(s) for s in self.kernel.report.statuses if not s.ok]
             out["uprobe_libraries"] = sorted(self.kernel.attached_libraries())
+        if self.node is not None:
+            out["node_signals"] = nodesignals.stats(self.node, self.kernel)
+        if self.features is not None:
+            out["features"] = {"rows": len(self.features)}
         out["time_unix"] = time.time()
+        return out
+
+    def metric_samples(self) -> list[MetricSample]:
+        """Node signals as (name, labels, value), for a scrape-time metrics collector: the
+        feature frame's newest row (gauges, DCGM names for GPU signals) and the kernel's
+        cumulative CUDA, TCP and run-queue counters (`_total`)."""
+        out: list[MetricSample] = []
+        if self.features is not None:
+            out.extend(metric_samples(self.features.latest(), self.features.devices))
+        if self.gpu is not None and self.gpu.cuda is not None:
+            out.extend(cuda_counter_samples(self.gpu.cuda.totals()))
+        if self.node is not None:
+            out.extend(nodesignals.counter_samples(self.node))
         return out
 
     def _maybe_write_stats(self, force: bool = False) -> None:

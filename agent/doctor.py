@@ -164,7 +164,14 @@ def _cuda_checks() -> list[Check]:
     return doctor_checks()
 
 
+def _node_checks() -> list[Check]:
+    from .nodesignals import doctor_checks  # noqa: PLC0415
+
+    return doctor_checks()
+
+
 EXTRA_CHECKS.append(_cuda_checks)  # libcuda symbols the CUDA probes need (never core)
+EXTRA_CHECKS.append(_node_checks)  # tcp: and sched: tracepoints of the node signals (optional)
 
 
 def run_checks() -> list[Check]:

@@ -4,7 +4,8 @@ Each `tick()` adds one row: per GPU the NVML readings of that second (utilisatio
 GPM metrics, clocks, power, memory, PCIe, XIDs), per CUDA process and for the node the
 per-second deltas of the kernel's CUDA counters, and whatever extra providers return (TCP,
 run-queue numbers). `frame()` gives it as a pandas DataFrame: a UTC DatetimeIndex and
-(signal, entity) columns, entity "gpu<i>", "pid<n>" or "node". The RCA stage reads it;
+(signal, entity) columns, entity "gpu<i>", "pid<n>", "local_port<n>"/"peer_port<n>" (TCP
+TIME_WAIT by port) or "node". The RCA stage reads it;
 `metric_samples()` turns the newest row into (name, labels, value) for a Prometheus exporter,
 under DCGM's names where DCGM has the signal (DCGM_NAMES).
 """
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from .nvml import NvmlSampler
 
 Row = dict[tuple[str, str], float]
-Provider = Callable[[], Mapping[str, float]]
+# a provider's values: "signal" (the node's) or ("signal", entity); its name prefixes the signal
+Provider = Callable[[], Mapping[str | tuple[str, str], float]]
 
 # frame signal -> (DCGM field name, factor from the frame's unit to DCGM's)
 DCGM_NAMES: dict[str, tuple[str, float]] = {
@@ -105,7 +107,7 @@ class FeatureFrame:
             row.update(self._cuda_row(self.cuda, max(1, now - start) / 1e9))
         for name, provider in self.providers.items():
             try:
-                row.update({(f"{name}_{k}", "node"): float(v) for k, v in provider().items()})
+                row.update(_provided(name, provider()))
             except Exception:  # noqa: BLE001 - one broken provider must not stop the frame
                 row[(f"{name}_errors", "node")] = 1.0
         with self._lock:
@@ -149,6 +151,11 @@ class FeatureFrame:
         row.update({(sig, "node"): v for sig, v in node.items()})
         return row
 
+    @property
+    def devices(self) -> Sequence[Any]:
+        """The GPUs the rows describe (labels for metric_samples)."""
+        return self.sampler.devices if self.sampler is not None else ()
+
     # ---- the frame ----
 
     def frame(self) -> pd.DataFrame:
@@ -186,6 +193,17 @@ class FeatureFrame:
             self._thread.join(timeout=2)
 
 
+def _provided(name: str, values: Mapping[str | tuple[str, str], float]) -> Row:
+    row: Row = {}
+    for k, v in values.items():
+        sig, ent = (k, "node") if isinstance(k, str) else k
+        row[(f"{name}_{sig}", ent)] = float(v)
+    return row
+
+
+_PORT_ENTITIES = (("local_port", "local"), ("peer_port", "peer"))
+
+
 def _gpu_labels(ent: str, devices: Sequence[Any]) -> dict[str, str]:
     i = int(ent[3:])
     labels = {"gpu": str(i)}
@@ -197,15 +215,23 @@ def _gpu_labels(ent: str, devices: Sequence[Any]) -> dict[str, str]:
 
 def metric_samples(row: Row, devices: Sequence[Any] = ()) -> Iterator[MetricSample]:
     """(name, labels, value) for one frame row: DCGM names and units for GPU signals,
-    sits_<signal> for the rest (labels gpu / pid)."""
+    sits_<signal> for the rest (labels gpu / pid / port and side)."""
     for (sig, ent), v in sorted(row.items()):
         if ent.startswith("gpu"):
             name, factor = DCGM_NAMES.get(sig, (f"sits_gpu_{sig}", 1.0))
             yield MetricSample(name, _gpu_labels(ent, devices), v * factor)
-        elif ent.startswith("pid"):
-            yield MetricSample(f"sits_{sig}", {"pid": ent[3:]}, v)
         else:
-            yield MetricSample(f"sits_{sig}", {}, v)
+            yield MetricSample(f"sits_{sig}", entity_labels(ent), v)
+
+
+def entity_labels(ent: str) -> dict[str, str]:
+    """Prometheus labels of a non-GPU entity: pid<n>, local_port<n>/peer_port<n>, node."""
+    if ent.startswith("pid"):
+        return {"pid": ent[3:]}
+    for prefix, side in _PORT_ENTITIES:
+        if ent.startswith(prefix):
+            return {"port": ent[len(prefix):], "side": side}
+    return {}
 
 
 def cuda_counter_samples(totals: Mapping[int, CudaTotals]) -> Iterator[MetricSample]:

@@ -337,6 +337,10 @@ class TcpSignals:
         sums = self.maps.percpu_sums("tcp_totals")
         return [sums[i] if i < len(sums) else 0 for i in range(len(TcpTotal))]
 
+    def totals(self) -> dict[str, int]:
+        """Node counters since the programs loaded, named after TcpTotal (lower case)."""
+        return {t.name.lower(): v for t, v in zip(TcpTotal, self._totals())}
+
     def _lifetimes(self) -> list[int]:
         out = [0] * 64
         for k, v in self.maps.items("tcp_lifetime_us"):

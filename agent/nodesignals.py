@@ -4,7 +4,19 @@
     kernel = load(extend_options(opts, add))
     node = NodeSignals.from_kernel(kernel)
     node.install(tracer)          # handlers, annotators, data observer
-    node.sample()                 # per-second numbers, for a feature frame
+    node.track_processes(pids)    # threads of processes traced from the start
+    FeatureFrame(providers=node.providers())   # per-second rows: tcp_*, cpu_runq_*
+    counter_samples(node)         # cumulative counters, for a scrape-time collector
+
+Feature-frame signals (sits_<signal> as metrics, see features.metric_samples):
+  tcp_<total>_per_s             node TCP rates, one per TcpTotal (retransmits, resets_out,
+                                resets_in, opens_active, ..., time_wait_entries)
+  tcp_time_wait_sockets         sockets in TIME_WAIT now, by port (entity local_port<n> for
+                                this side's port, peer_port<n> for the remote one)
+  cpu_runq_delay_s_per_s        run-queue wait of a tracked process's threads, per second (pid)
+  cpu_runq_waits_per_s, cpu_runq_mean_wait_us
+Counters (counter_samples): sits_tcp_<total>_total, sits_cpu_runq_delay_seconds_total{pid},
+sits_cpu_runq_waits_total{pid}.
 
 All of it is optional: a missing tracepoint is compiled out (-DSITS_NO_<CAT>_<EVENT>) and
 reported by doctor; a group whose tracepoints are all missing is simply not read.
@@ -13,7 +25,8 @@ reported by doctor; a group whose tracepoints are all missing is simply not read
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .bpfmaps import BccMaps, MapAccess, recursion_misses
 from .cpusignals import SCHED_PROGRAM, SCHED_TRACEPOINTS, SchedSample, SchedSignals
 from .events import Kind
+from .features import MetricSample, Provider
 from .loader import Kernel, LoadOptions
 from .netsignals import TCP_PROGRAM, TCP_TRACEPOINTS, TcpSample, TcpSignals
 from .probes import Tracepoint
@@ -154,6 +168,49 @@ class NodeSignals:
     def sample(self) -> NodeSample:
         return NodeSample(self.tcp.sample() if self.tcp else None,
                           self.sched.sample() if self.sched else None)
+
+    def providers(self) -> dict[str, Provider]:
+        """Feature-frame providers, one per group: each call samples its group's interval."""
+        out: dict[str, Provider] = {}
+        tcp, sched = self.tcp, self.sched
+        if tcp is not None:
+            out["tcp"] = lambda: tcp_features(tcp.sample())
+        if sched is not None:
+            out["cpu"] = lambda: sched_features(sched.sample(), sched.proc_root)
+        return out
+
+
+def tcp_features(s: TcpSample) -> Mapping[str | tuple[str, str], float]:
+    out: dict[str | tuple[str, str], float] = {f"{k}_per_s": v for k, v in s.rates.items()}
+    for (side, port), n in s.time_wait.items():
+        out[("time_wait_sockets", f"{side}_port{port}")] = float(n)
+    return out
+
+
+def sched_features(s: SchedSample, proc_root: str = "/proc"
+                   ) -> Mapping[str | tuple[str, str], float]:
+    """Per process; one that exited is left out once it has no wait in the interval."""
+    out: dict[str | tuple[str, str], float] = {}
+    for pid, p in s.procs.items():
+        if not p.waits_per_s and not os.path.exists(f"{proc_root}/{pid}"):
+            continue
+        ent = f"pid{pid}"
+        out[("runq_delay_s_per_s", ent)] = p.delay_s_per_s
+        out[("runq_waits_per_s", ent)] = p.waits_per_s
+        out[("runq_mean_wait_us", ent)] = p.mean_wait_us
+    return out
+
+
+def counter_samples(node: NodeSignals) -> Iterator[MetricSample]:
+    """The kernel's cumulative counters, read now (for a scrape-time collector)."""
+    if node.tcp is not None:
+        for name, v in node.tcp.totals().items():
+            yield MetricSample(f"sits_tcp_{name}_total", {}, float(v))
+    if node.sched is not None:
+        for pid, (delay_ns, waits) in sorted(node.sched.proc_totals().items()):
+            labels = {"pid": str(pid)}
+            yield MetricSample("sits_cpu_runq_delay_seconds_total", labels, delay_ns / 1e9)
+            yield MetricSample("sits_cpu_runq_waits_total", labels, float(waits))
 
 
 def doctor_checks() -> list[Check]:

@@ -58,13 +58,19 @@ class ExporterSet:
     def agent_stats(self) -> dict[str, Any]:
         return self.agent.stats() if self.agent is not None else {}
 
+    def agent_samples(self) -> list[Any]:
+        """The agent's node signals as (name, labels, value); none from an agent without."""
+        fn = getattr(self.agent, "metric_samples", None)
+        return list(fn()) if fn is not None else []
+
     def attach_agent(self, agent: _HasStats) -> None:
-        """Keep the agent, whose stats() the metrics exporters read at scrape/collect time."""
+        """Keep the agent, whose stats() (and metric_samples(), node signals) the metrics
+        exporters read at scrape/collect time."""
         self.agent = agent
         for e in self.exporters:
             attach = getattr(e, "attach_agent", None)
             if attach is not None:
-                attach(self.agent_stats)
+                attach(self.agent_stats, self.agent_samples)
 
     def force_flush(self, timeout_s: float = 5.0) -> bool:
         ok = True

@@ -243,7 +243,8 @@ class OtlpExporter:
         readable = [to_readable(s, self._resources.of(s)) for s in batch]
         return self._sdk.export(readable) == SpanExportResult.SUCCESS
 
-    def attach_agent(self, stats: AgentStats) -> None:
+    def attach_agent(self, stats: AgentStats, samples: Callable[[], Any] | None = None) -> None:
+        """`samples` (the agent's node signals) are exported by Prometheus only, for now."""
         if self._metrics is not None:
             self._metrics.agent_stats = stats
 

@@ -5,13 +5,17 @@ RED metrics of the traced services (``http_server_request_duration_seconds``,
 agent's own health (BPF events seen/lost, connections, parser resyncs, spans
 exported/dropped and queue depth per exporter, CPU and RSS) is read from
 ``agent.stats()``, the exporters' ``stats()`` and the process at each scrape.
+Node signals come from ``agent.metric_samples()`` at each scrape, under the names the
+agent's feature frame gives them (``agent/features.py``: DCGM field names for GPU state,
+``sits_<signal>`` for the rest); a name ending in ``_total`` is a counter, the rest gauges.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -31,6 +35,8 @@ from ._red import LABELS, HistogramData, RedAggregator
 log = logging.getLogger(__name__)
 
 AgentStats = Callable[[], dict[str, Any]]
+# (name, labels, value) triples: agent.features.MetricSample or anything shaped like it
+NodeSamples = Callable[[], Iterable[tuple[str, dict[str, str], float]]]
 ExporterStatsFn = Callable[[], Sequence[ExporterStats]]
 DROP_REASONS = ("queue_full", "export_failed")
 
@@ -70,10 +76,11 @@ class SitsCollector(Collector):
         self.red = red
         self.exporter_stats = exporter_stats
         self.agent_stats: AgentStats | None = None
+        self.node_samples: NodeSamples | None = None
         self.usage = usage
 
     def collect(self) -> Iterator[Metric]:
-        for fn in (self._red, self._agent, self._exporters, self._process):
+        for fn in (self._red, self._agent, self._node, self._exporters, self._process):
             try:
                 yield from fn()
             except Exception:
@@ -115,6 +122,11 @@ class SitsCollector(Collector):
                                str(bool(p.get("required"))).lower()], 1.0)
         yield failed
 
+    def _node(self) -> Iterator[Metric]:
+        if self.node_samples is None:
+            return
+        yield from node_families(self.node_samples())
+
     def _exporters(self) -> Iterator[Metric]:
         exported = CounterMetricFamily("sits_spans_exported", "Spans an exporter delivered.",
                                        labels=["exporter"])
@@ -142,6 +154,39 @@ class SitsCollector(Collector):
                                   value=self.usage.cpu_seconds(), unit="seconds")
         yield GaugeMetricFamily("sits_agent_resident_memory_bytes", "Resident memory of the agent.",
                                 value=float(self.usage.rss_bytes()))
+
+
+METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_NODE_HELP = {
+    "DCGM_FI_": "GPU state over the last second (NVML; DCGM's field name and unit).",
+    "sits_gpu_": "GPU signal over the last second (NVML), no DCGM equivalent.",
+    "sits_cuda_": "CUDA driver calls counted by the libcuda uprobes (bpf/cuda.c).",
+    "sits_tcp_": "TCP signal from the tcp: and sock: tracepoints (bpf/tcp.c).",
+    "sits_cpu_runq_": "Run-queue wait of a traced process's threads (bpf/sched.c).",
+}
+
+
+def _node_help(name: str) -> str:
+    for prefix, doc in _NODE_HELP.items():
+        if name.startswith(prefix):
+            return doc
+    return "Node signal of the agent's feature frame."
+
+
+def node_families(samples: Iterable[tuple[str, dict[str, str], float]]) -> list[Metric]:
+    """Samples grouped into metric families: `_total` names as counters, others as gauges.
+    A name Prometheus would refuse is skipped (it would spoil the whole scrape)."""
+    fams: dict[str, Metric] = {}
+    for name, labels, value in samples:
+        if not METRIC_NAME_RE.match(name):
+            continue
+        counter = name.endswith("_total")
+        base = name[: -len("_total")] if counter else name
+        fam = fams.get(base)
+        if fam is None:
+            fam = fams[base] = Metric(base, _node_help(name), "counter" if counter else "gauge")
+        fam.add_sample(name, dict(labels), float(value))
+    return list(fams.values())
 
 
 def _cumulative(bounds: list[str], h: HistogramData) -> list[Any]:
@@ -196,8 +241,9 @@ class PrometheusExporter:
     def port(self) -> int:
         return int(self._server.server_port) if self._server is not None else 0
 
-    def attach_agent(self, stats: AgentStats) -> None:
+    def attach_agent(self, stats: AgentStats, samples: NodeSamples | None = None) -> None:
         self.collector.agent_stats = stats
+        self.collector.node_samples = samples
 
     def export(self, spans: Sequence[Span]) -> None:
         for s in spans:

@@ -53,3 +53,17 @@ def test_bad_environment_value() -> None:
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="config file /nonexistent.toml"):
         load("/nonexistent.toml", env={})
+
+
+def test_signals_can_be_turned_off(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[signals]\ntcp = false\nfeatures_keep_s = 600\n")
+    cfg = load(f, env={"SITS_SIGNALS_SCHED": "off"})
+    assert (cfg.signals.tcp, cfg.signals.sched, cfg.signals.cuda) == (False, False, True)
+    assert cfg.signals.features_keep_s == 600
+    with pytest.raises(ConfigError, match="unknown key signals.tpc"):
+        load(env={"SITS_SIGNALS_TPC": "0"})
+    with pytest.raises(ConfigError, match="signals.features_keep_s: 5 is outside"):
+        load(env={"SITS_SIGNALS_FEATURES_KEEP_S": "5"})
+    with pytest.raises(ConfigError, match=r"unknown section \[validate\]"):
+        load(overrides={"validate.x": 1}, env={})
