@@ -2,7 +2,7 @@
 
 Run `python dashboards/build.py` after editing; tests/unit/test_exporters_dashboards.py
 fails when a committed JSON differs from what this writes. Each dashboard is a
-list of rows; a later issue (GPU, PCIe, RCA) adds a row or a dashboard here.
+list of rows; the SLO overview ends with the node rows (GPU, PCIe, CUDA, run queue, TCP).
 The datasource is the `${datasource}` variable; uids are stable.
 """
 
@@ -114,6 +114,77 @@ def slo_overview() -> list[tuple[str, list[dict[str, Any]]]]:
     ]
 
 
+# Node signals (agent/features.py names: DCGM's for GPU state, sits_* for the rest). They sit in
+# the SLO overview so a P99 jump shows beside what the GPU, PCIe link, CUDA calls, run queue and
+# TCP stack did at the same time. GPU and CUDA panels are empty on a node without them.
+GPU_LEGEND = "gpu{{gpu}}"
+PID_LEGEND = "pid {{pid}}"
+
+
+def node_rows() -> list[tuple[str, list[dict[str, Any]]]]:
+    return [
+        row("GPU (NVML, DCGM field names)",
+            panel("GPU utilisation", [target("DCGM_FI_DEV_GPU_UTIL", GPU_LEGEND)],
+                  unit="percent", w=6),
+            panel("SM active / occupancy / tensor active", [
+                target("DCGM_FI_PROF_SM_ACTIVE", "sm active " + GPU_LEGEND),
+                target("DCGM_FI_PROF_SM_OCCUPANCY", "sm occupancy " + GPU_LEGEND),
+                target("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "tensor " + GPU_LEGEND)],
+                  unit="percentunit", w=6),
+            panel("GPU memory used", [target("DCGM_FI_DEV_FB_USED", GPU_LEGEND)],
+                  unit="mbytes", w=6),
+            panel("Power", [target("DCGM_FI_DEV_POWER_USAGE", GPU_LEGEND)], unit="watt", w=6)),
+        row("PCIe and clocks",
+            panel("PCIe TX / RX", [
+                target("DCGM_FI_PROF_PCIE_TX_BYTES", "tx " + GPU_LEGEND),
+                target("DCGM_FI_PROF_PCIE_RX_BYTES", "rx " + GPU_LEGEND)], unit="Bps", w=6,
+                  desc="Whole GPU (GPM): other processes' copies show here as contention"),
+            panel("PCIe replays", [target(
+                f"increase(DCGM_FI_DEV_PCIE_REPLAY_COUNTER[{W}])", GPU_LEGEND)], unit="short",
+                  w=6),
+            panel("SM / memory clocks", [
+                target("DCGM_FI_DEV_SM_CLOCK", "sm " + GPU_LEGEND),
+                target("DCGM_FI_DEV_MEM_CLOCK", "memory " + GPU_LEGEND)], unit="short", w=6,
+                  desc="MHz"),
+            panel("Clock event reasons (bitmask)", [
+                target("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", GPU_LEGEND)], unit="short", w=6,
+                  desc="nvmlClocksEventReasons: 0x4 SW power cap, 0x20 SW thermal, ...")),
+        row("CUDA driver calls (traced processes)",
+            panel("Host to device / device to host copies", [target(
+                f"sum by (pid, direction) (rate(sits_cuda_copy_bytes_total"
+                f'{{direction=~"h2d|d2h"}}[{W}]))', "{{direction}} " + PID_LEGEND)],
+                  unit="Bps"),
+            panel("Kernel launches", [target(
+                f"sum by (pid) (rate(sits_cuda_kernel_launches_total[{W}]))", PID_LEGEND)],
+                  unit="ops"),
+            panel("Time in cu*Synchronize", [target(
+                f"sum by (pid) (rate(sits_cuda_sync_wait_seconds_total[{W}]))", PID_LEGEND)],
+                  unit="percentunit", desc="Seconds waited per second")),
+        row("CPU run queue (processes with traced connections)",
+            panel("Run-queue delay", [target(
+                f"sum by (pid) (rate(sits_cpu_runq_delay_seconds_total[{W}]))", PID_LEGEND)],
+                  unit="s", w=12,
+                  desc="Seconds the process's threads waited for a CPU, per second"),
+            panel("Mean run-queue wait", [target(
+                f"sum by (pid) (rate(sits_cpu_runq_delay_seconds_total[{W}]))"
+                f" / sum by (pid) (rate(sits_cpu_runq_waits_total[{W}]))", PID_LEGEND)],
+                  unit="s", w=12)),
+        row("TCP (node)",
+            panel("Retransmits", [
+                target(f"rate(sits_tcp_retransmits_total[{W}])", "retransmits"),
+                target(f"rate(sits_tcp_synack_retransmits_total[{W}])", "SYN-ACK retransmits"),
+                target(f"rate(sits_tcp_retransmit_failures_total[{W}])", "failed")],
+                  unit="pps"),
+            panel("Resets", [
+                target(f"rate(sits_tcp_resets_out_total[{W}])", "sent"),
+                target(f"rate(sits_tcp_resets_in_total[{W}])", "received")], unit="pps"),
+            panel("TIME_WAIT sockets by port (top 10)", [target(
+                "topk(10, sum by (side, port) (sits_tcp_time_wait_sockets))",
+                "{{side}} port {{port}}")], unit="short",
+                  desc="local: this host's port; peer: the remote port of the connection")),
+    ]
+
+
 def drilldown() -> list[tuple[str, list[dict[str, Any]]]]:
     return [
         row("Latency of the selected routes (dots are exemplars: click one for its trace)",
@@ -203,7 +274,7 @@ def dashboard(uid: str, title: str, rows: list[tuple[str, list[dict[str, Any]]]]
 
 DASHBOARDS = {
     "sits-slo-overview.json": dashboard("sits-slo-overview", "sits-trace / SLO overview",
-                                        slo_overview(), VARIABLES),
+                                        slo_overview() + node_rows(), VARIABLES),
     "sits-request-drilldown.json": dashboard("sits-request-drilldown",
                                              "sits-trace / Request drill-down", drilldown(),
                                              VARIABLES),

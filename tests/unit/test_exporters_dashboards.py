@@ -65,3 +65,42 @@ def test_trace_links_use_the_trace_backend_variable() -> None:
              for lk in p["fieldConfig"]["defaults"]["links"]]
     assert links and all(u.startswith("${trace_backend_url}/") for u in links)
     assert any(t.get("exemplar") for p in d["panels"] if p["type"] != "row" for t in p["targets"])
+
+
+def _emitted_names() -> set[str]:
+    """Every metric name the agent can put on /metrics for node signals, from the code that
+    makes them (features.py for the frame's rows, the counters of cuda.py and nodesignals)."""
+    from sits_trace.agent.bpfmaps import DictMaps, u32
+    from sits_trace.agent.cpusignals import RunqProcC, SchedSignals
+    from sits_trace.agent.cuda import CudaTotals
+    from sits_trace.agent.features import (
+        DCGM_NAMES,
+        FeatureFrame,
+        cuda_counter_samples,
+        metric_samples,
+    )
+    from sits_trace.agent.netsignals import TcpSample, TcpSignals
+    from sits_trace.agent.nodesignals import NodeSignals, counter_samples, tcp_features
+
+    maps = DictMaps({"runq_procs": {u32(1): bytes(RunqProcC(delay_ns=1, count=1))}})
+    node = NodeSignals(TcpSignals(maps), SchedSignals(maps))
+    names = {n for n, _ in DCGM_NAMES.values()}
+    names |= {m.name for m in counter_samples(node)}
+    names |= {m.name for m in cuda_counter_samples({1: CudaTotals()})}
+    tw = TcpSample(1.0, {}, {("local", 80): 2}, [])
+    row = FeatureFrame(providers={"tcp": lambda: tcp_features(tw)}).tick()
+    names |= {m.name for m in metric_samples(row)}
+    return names
+
+
+def test_node_rows_sit_in_the_slo_overview_and_query_emitted_names() -> None:
+    d = json.loads((DIR / "sits-slo-overview.json").read_text())
+    rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
+    assert rows[0].startswith("Traffic")
+    for want in ("GPU", "PCIe", "CUDA", "CPU run queue", "TCP"):
+        assert any(r.startswith(want) for r in rows), (want, rows)
+    exprs = [t["expr"] for p in d["panels"] if p["type"] != "row" for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b(DCGM_FI_\w+|sits_(?:tcp|cpu|cuda)_\w+)", e)}
+    assert len(used) >= 20
+    missing = used - _emitted_names()
+    assert not missing, f"dashboard queries metrics the agent never emits: {sorted(missing)}"
