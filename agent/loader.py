@@ -9,6 +9,7 @@ for the maps the agent writes (target pids, pre-existing connections) and reads
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import struct
 import threading
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from . import bpfsrc
+from . import bpfsrc, ringbuf
 from .probes import (
     HTTP_TRACEPOINTS,
     TLS_UPROBES,
@@ -30,6 +31,7 @@ from .probes import (
     find_libraries,
     tracefs_root,
 )
+from .ringbuf import MmapRing
 
 
 class EventSource(Protocol):
@@ -174,11 +176,21 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
 
 
 class RingSource:
-    """Records from the BCC ring buffer, copied out in the callback and handed over in batches."""
+    """Records from the kernel's ring buffer, in batches.
+
+    On x86-64 the ring is read in place through mmap (agent/ringbuf.py): no call into
+    C per record. Elsewhere, or with SITS_RING_READER=bcc, BCC's reader copies each
+    record out in a ctypes callback.
+    """
 
     def __init__(self, kernel: Kernel, map_name: str = "events") -> None:
-        self._batch: list[bytes] = []
         self._bpf = kernel.bpf
+        self._mmap: MmapRing | None = None
+        table = kernel.bpf[map_name]
+        if ringbuf.supported() and os.environ.get("SITS_RING_READER", "mmap") != "bcc":
+            self._mmap = MmapRing(table.map_fd, kernel.opts.ringbuf_pages * mmap.PAGESIZE)
+            return
+        self._batch: list[bytes] = []
         string_at = ctypes.string_at
         batch = self._batch
 
@@ -187,9 +199,15 @@ class RingSource:
             return 0
 
         self._cb = _cb  # keep a reference: bcc holds only a C pointer
-        kernel.bpf[map_name].open_ring_buffer(_cb)
+        table.open_ring_buffer(_cb)
+
+    @property
+    def reader(self) -> str:
+        return "mmap" if self._mmap is not None else "bcc"
 
     def read(self, timeout_ms: int) -> list[bytes]:
+        if self._mmap is not None:
+            return self._mmap.read(timeout_ms)
         self._bpf.ring_buffer_poll(timeout_ms)
         self._bpf.ring_buffer_consume()
         out = self._batch[:]
@@ -197,7 +215,9 @@ class RingSource:
         return out
 
     def close(self) -> None:
-        pass
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
 
 
 _REC_MAGIC = b"SITSREC1"

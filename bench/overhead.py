@@ -7,6 +7,7 @@ every span as JSON to /dev/null (`sits-trace trace --json`), so span assembly
 and serialisation are in the cost. Its stats line says whether events were lost.
 
 Usage: bench/overhead.py [--pairs 5] [--seconds 5] [--connections 50] [--threads 1] [--paced-ms N]
+                         [--mode trace] [--mode kernel]
 Writes a JSON summary to bench/results/overhead-<time>.json and prints it.
 """
 
@@ -80,8 +81,14 @@ def run_wrk(port: int, seconds: int, conns: int, threads: int) -> dict[str, floa
     return {"rps": rps, "p99_ms": p99}
 
 
-def start_agent(pid: int) -> subprocess.Popen[str]:
-    p = subprocess.Popen([SITS, "trace", "--json", "--pid", str(pid)], stdout=subprocess.DEVNULL,
+def agent_command(mode: str, pid: int) -> list[str]:
+    if mode == "kernel":  # probes and ring only: what the kernel half costs
+        return [sys.executable, str(ROOT / "bench" / "kernel_only.py"), "--pid", str(pid)]
+    return [SITS, "trace", "--json", "--pid", str(pid)]
+
+
+def start_agent(mode: str, pid: int) -> subprocess.Popen[str]:
+    p = subprocess.Popen(agent_command(mode, pid), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     assert p.stderr is not None
     for line in p.stderr:
@@ -103,9 +110,14 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--mode", action="append", choices=["trace", "kernel"],
+                    help="what runs in the 'on' runs: the whole agent (trace, the default) or "
+                         "only its kernel programs and a ring drain (kernel); repeat for both, "
+                         "interleaved in each round")
     ap.add_argument("--paced-ms", type=int, default=0,
                     help="pace each connection (wrk delay() in ms): a steady load below saturation")
     args = ap.parse_args()
+    modes = args.mode or ["trace"]
     global PACE_SCRIPT
     pace_dir = tempfile.mkdtemp()
     port = free_port()
@@ -118,27 +130,33 @@ def main() -> int:
         try:
             run_wrk(port, 2, args.connections, args.threads)  # warm-up
             for i in range(args.pairs):
-                off = run_wrk(port, args.seconds, args.connections, args.threads)
-                agent = start_agent(nginx.pid)
-                time.sleep(0.5)
-                on = run_wrk(port, args.seconds, args.connections, args.threads)
-                stats = stop_agent(agent)
-                pairs.append({"off": off, "on": on, "agent": stats})
-                print(f"pair {i + 1}: off {off['rps']:.0f} rps p99 {off['p99_ms']:.2f} ms | "
-                      f"on {on['rps']:.0f} rps p99 {on['p99_ms']:.2f} ms | {stats}", flush=True)
+                for mode in modes:
+                    off = run_wrk(port, args.seconds, args.connections, args.threads)
+                    agent = start_agent(mode, nginx.pid)
+                    time.sleep(0.5)
+                    on = run_wrk(port, args.seconds, args.connections, args.threads)
+                    stats = stop_agent(agent)
+                    pairs.append({"mode": mode, "off": off, "on": on, "agent": stats})
+                    print(f"pair {i + 1} [{mode}]: off {off['rps']:.0f} rps p99 "
+                          f"{off['p99_ms']:.2f} ms | on {on['rps']:.0f} rps p99 "
+                          f"{on['p99_ms']:.2f} ms | {stats}", flush=True)
         finally:
             nginx.terminate()
             nginx.wait(timeout=10)
-    tput = statistics.median(p["on"]["rps"] / p["off"]["rps"] for p in pairs)  # type: ignore[index]
-    p99 = statistics.median(p["on"]["p99_ms"] / p["off"]["p99_ms"] for p in pairs)  # type: ignore[index]
-    summary = {"throughput_ratio": round(tput, 3), "p99_ratio": round(p99, 3), "args": vars(args),
-               "pairs": pairs}
+    summary: dict[str, object] = {"args": vars(args), "pairs": pairs}
+    lines = []
+    for mode in modes:
+        mine = [p for p in pairs if p["mode"] == mode]
+        tput = statistics.median(p["on"]["rps"] / p["off"]["rps"] for p in mine)  # type: ignore[index]
+        p99 = statistics.median(p["on"]["p99_ms"] / p["off"]["p99_ms"] for p in mine)  # type: ignore[index]
+        summary[mode] = {"throughput_ratio": round(tput, 3), "p99_ratio": round(p99, 3)}
+        lines.append(f"[{mode}] throughput ratio (traced/untraced, median of {len(mine)} pairs): "
+                     f"{tput:.3f}; p99 latency ratio: {p99:.3f}")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(summary, indent=1))
-    print(f"throughput ratio (traced/untraced, median of {len(pairs)} pairs): {tput:.3f}")
-    print(f"p99 latency ratio (traced/untraced): {p99:.3f}")
+    print("\n".join(lines))
     print(f"written: {path}")
     return 0
 

@@ -4,10 +4,11 @@
  * _pad, never packed. agent/events.py mirrors these structs with ctypes and a
  * test checks both against what BCC derives from this file.
  *
- * All programs write to one ring buffer, `events`. Wakeups are batched: a record
- * is committed without waking the reader unless the ring is filling up
- * (SITS_WAKEUP_BYTES), and the agent polls on a short timer. Every failed
- * reserve/output is counted in `lost`, indexed by event kind.
+ * All programs write to one ring buffer, `events`. The agent reads it on a timer
+ * (trace.poll_ms), in batches; a record is committed without waking the reader
+ * unless SITS_WAKEUP_BYTES have been written on this CPU since its last wakeup, so
+ * a burst that would fill the ring before the timer is still read in time. Every
+ * failed reserve/output is counted in `lost`, indexed by event kind.
  */
 #ifndef SITS_EVENTS_H
 #define SITS_EVENTS_H
@@ -27,8 +28,8 @@
 #ifndef SITS_MAX_CONNS
 #define SITS_MAX_CONNS 65536
 #endif
-#ifndef SITS_WAKEUP_EVERY
-#define SITS_WAKEUP_EVERY 64 /* records per CPU between reader wakeups */
+#ifndef SITS_WAKEUP_BYTES
+#define SITS_WAKEUP_BYTES (SITS_RINGBUF_PAGES * 4096ULL / 8) /* per CPU, between wakeups */
 #endif
 #ifndef SITS_FILTER_PIDS
 #define SITS_FILTER_PIDS 0 /* 1: only processes in `target_pids` */
@@ -199,15 +200,17 @@ static __always_inline void count_seen(int kind)
         (*v)++;
 }
 
-/* Wake the reader once every SITS_WAKEUP_EVERY records per CPU; the agent also
- * drains the ring on a short timer, so a quiet ring never waits long. */
-static __always_inline __u64 wakeup_flag(void)
+/* Wake the reader once SITS_WAKEUP_BYTES were written on this CPU since the last
+ * wakeup. Waking it per record (the ring's default when the reader has caught up)
+ * makes it spin on a few records at a time, a CPU taken from the traced server. */
+static __always_inline __u64 wakeup_flag(__u64 size)
 {
     int zero = 0;
     __u64 *n = since_wakeup.lookup(&zero);
     if (!n)
         return 0;
-    if (++(*n) < SITS_WAKEUP_EVERY)
+    *n += size;
+    if (*n < SITS_WAKEUP_BYTES)
         return BPF_RB_NO_WAKEUP;
     *n = 0;
     return BPF_RB_FORCE_WAKEUP;
@@ -216,7 +219,7 @@ static __always_inline __u64 wakeup_flag(void)
 /* Send one record; count it as seen, or as lost when the ring is full. */
 static __always_inline void submit(void *rec, __u64 size, int kind)
 {
-    __u64 flags = wakeup_flag();
+    __u64 flags = wakeup_flag(size);
     count_seen(kind);
     if (events.ringbuf_output(rec, size, flags) < 0)
         count_lost(kind);
