@@ -14,8 +14,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 VENV_BIN = Path(sys.executable).parent
 SITS = str(VENV_BIN / "sits-trace")
@@ -117,6 +118,44 @@ class Tracer:
         self._out.join(timeout=5)
         self._err.join(timeout=5)
         return "".join(self.stderr_lines)
+
+
+class SitsRun:
+    """`sits-trace run --config FILE` in a subprocess, until stop() sends SIGINT."""
+
+    def __init__(self, config: Path, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([SITS, "run", "--config", str(config)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, **(env or {})})
+        self.err: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + 90
+        while not any("agent running" in x for x in self.err):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("sits-trace run did not start: " + "".join(self.err))
+            time.sleep(0.05)
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return int(self.proc.returncode)
+
+
+def write_config(path: Path, **export: object) -> Path:
+    lines = ["[export]"] + [f"{k} = {json.dumps(v)}" for k, v in export.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 class Nginx:
@@ -268,3 +307,131 @@ def env_with_path() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     return env
+
+
+# ---- two network namespaces joined by a veth pair, with optional packet loss ----
+
+A_ADDR, B_ADDR = "10.203.0.1", "10.203.0.2"
+A_ADDR6, B_ADDR6 = "fd00:203::1", "fd00:203::2"
+ADDRS = {A_ADDR, B_ADDR, A_ADDR6, B_ADDR6}
+
+# This kernel has no netem qdisc: loss comes from an XDP program that drops a given share of
+# the TCP packets arriving on a veth end.
+DROPPER = r'''
+import sys
+from bcc import BPF
+text = """
+#include <uapi/linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+int sits_test_drop(struct xdp_md *ctx) {
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    if ((void *)(eth + 1) > end) return XDP_PASS;
+    __u8 proto = 0;
+    if (eth->h_proto == htons(ETH_P_IP)) {
+        struct iphdr *ip = (void *)(eth + 1);
+        if ((void *)(ip + 1) > end) return XDP_PASS;
+        proto = ip->protocol;
+    } else if (eth->h_proto == htons(ETH_P_IPV6)) {
+        struct ipv6hdr *ip6 = (void *)(eth + 1);
+        if ((void *)(ip6 + 1) > end) return XDP_PASS;
+        proto = ip6->nexthdr;
+    }
+    if (proto != IPPROTO_TCP || bpf_get_prandom_u32() % 100 >= PCT) return XDP_PASS;
+    return XDP_DROP;
+}
+"""
+b = BPF(text=text, cflags=["-DPCT=" + sys.argv[2]])
+b.attach_xdp(sys.argv[1], b.load_func("sits_test_drop", BPF.XDP), 0)
+print("attached", flush=True)  # the attachment outlives this process; netns deletion ends it
+'''
+
+
+def sh(*cmd: str, timeout: float = 20) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True,
+                          timeout=timeout).stdout
+
+
+@dataclass
+class Netns:
+    """Namespaces `a` (A_ADDR) and `b` (B_ADDR); what spawn() starts, stop_servers() kills."""
+
+    a: str
+    b: str
+    dev_a: str
+    dev_b: str
+    tmp: Path
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def exec(self, ns: str, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", ns, *cmd]
+
+    def spawn(self, ns: str, *cmd: str, stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[str]:
+        p = subprocess.Popen(self.exec(ns, *cmd), stdout=subprocess.PIPE, stdin=stdin, text=True)
+        self.procs.append(p)
+        return p
+
+    def counters(self, ns: str) -> dict[str, int]:
+        """Tcp* (/proc/net/snmp) and TcpExt* (/proc/net/netstat) of a namespace, as nstat."""
+        out: dict[str, int] = {}
+        for f in ("/proc/net/snmp", "/proc/net/netstat"):
+            lines = sh(*self.exec(ns, "cat", f)).splitlines()
+            for names, values in zip(lines[::2], lines[1::2]):
+                prefix, *keys = names.split()
+                _, *vals = values.split()
+                for k, v in zip(keys, vals):
+                    out[prefix.rstrip(":") + k] = int(v)
+        return out
+
+    def drop(self, pct: int) -> None:
+        """Drop pct % of the TCP packets arriving in each namespace (0: stop dropping)."""
+        for ns, dev in ((self.a, self.dev_a), (self.b, self.dev_b)):
+            if pct:
+                out = sh(*self.exec(ns, sys.executable, str(self.tmp / "drop.py"), dev,
+                                    str(pct)), timeout=60)
+                assert "attached" in out
+            else:
+                sh("ip", "-n", ns, "link", "set", "dev", dev, "xdp", "off")
+
+    def sockets(self, ns: str, port: int, state: str = "all") -> list[str]:
+        out = sh(*self.exec(ns, "ss", "-Htan", "state", state,
+                            f"( sport = :{port} or dport = :{port} )"))
+        return [ln for ln in out.splitlines() if ln.strip()]
+
+    def stop_servers(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=5)
+        self.procs.clear()
+
+
+N = TypeVar("N", bound=Netns)
+
+
+@contextmanager
+def netns_pair(tmp: Path, tag: str, cls: type[N]) -> Iterator[N]:
+    """Two fresh namespaces and their veth pair, deleted whatever happens; short retransmit
+    timeouts (rto_min 10 ms) keep lossy tests within seconds."""
+    n = cls(f"sitsA{tag}", f"sitsB{tag}", f"sA{tag}", f"sB{tag}", tmp)
+    (tmp / "drop.py").write_text(DROPPER)
+    try:
+        sh("ip", "netns", "add", n.a)
+        sh("ip", "netns", "add", n.b)
+        sh("ip", "link", "add", n.dev_a, "type", "veth", "peer", "name", n.dev_b)
+        for ns, dev, a4, a6 in ((n.a, n.dev_a, A_ADDR, A_ADDR6), (n.b, n.dev_b, B_ADDR, B_ADDR6)):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{a4}/24", "dev", dev)
+            sh("ip", "-n", ns, "addr", "add", f"{a6}/64", "dev", dev, "nodad")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "route", "replace", "10.203.0.0/24", "dev", dev, "rto_min", "10ms")
+        yield n
+    finally:
+        n.stop_servers()
+        for ns in (n.a, n.b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20, check=False)
+        subprocess.run(["ip", "link", "del", n.dev_a], capture_output=True, timeout=20,
+                       check=False)

@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -30,7 +28,8 @@ from typing import Any
 import pytest
 from sits_trace.exporters.testing import GrpcReceiver, HttpReceiver
 
-from .harness import SITS, free_port, wait_port
+from .harness import SitsRun as Agent
+from .harness import free_port, wait_port, write_config
 
 pytestmark = [pytest.mark.bpf, pytest.mark.timeout(240)]
 
@@ -63,44 +62,6 @@ def get(port: int, path: str, headers: dict[str, str] | None = None) -> int:
     for k, v in (headers or {}).items():
         cmd += ["-H", f"{k}: {v}"]
     return int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-
-
-class Agent:
-    """`sits-trace run --config FILE` in a subprocess, until stop() sends SIGINT."""
-
-    def __init__(self, config: Path, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([SITS, "run", "--config", str(config)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, **(env or {})})
-        self.err: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + 90
-        while not any("agent running" in x for x in self.err):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("sits-trace run did not start: " + "".join(self.err))
-            time.sleep(0.05)
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.err.append(line)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return int(self.proc.returncode)
-
-
-def write_config(path: Path, **export: object) -> Path:
-    lines = ["[export]"] + [f"{k} = {json.dumps(v)}" for k, v in export.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 # ---- (1) OTLP end to end ----

@@ -3,7 +3,7 @@
 Everything runs in namespaces this module creates (and deletes, whatever happens), so the
 kernel's per-namespace SNMP counters (/proc/net/snmp, /proc/net/netstat: what `nstat` reads)
 count exactly the test's traffic. This kernel has no netem qdisc, so loss comes from a small
-XDP program that drops a given share of TCP packets arriving on each veth end.
+XDP program that drops a given share of TCP packets arriving on each veth end (harness.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-
 from sits_trace.agent import loader, nodesignals, probes
 from sits_trace.agent.bpfmaps import BccMaps
 from sits_trace.agent.events import Kind
@@ -32,11 +29,9 @@ from sits_trace.agent.netsignals import (
     TcpTuple,
 )
 
-pytestmark = pytest.mark.bpf
+from .harness import A_ADDR, A_ADDR6, ADDRS, B_ADDR, B_ADDR6, Netns, netns_pair, sh
 
-A_ADDR, B_ADDR = "10.203.0.1", "10.203.0.2"
-A_ADDR6, B_ADDR6 = "fd00:203::1", "fd00:203::2"
-ADDRS = {A_ADDR, B_ADDR, A_ADDR6, B_ADDR6}
+pytestmark = pytest.mark.bpf
 
 PEER = r'''
 import json, socket, struct, sys, time
@@ -99,129 +94,26 @@ if sys.argv[1] == "serve": serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])
 else: client(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
 '''
 
-DROPPER = r'''
-import sys
-from bcc import BPF
-text = """
-#include <uapi/linux/bpf.h>
-#include <linux/if_ether.h>
-#include <linux/ip.h>
-#include <linux/ipv6.h>
-int sits_test_drop(struct xdp_md *ctx) {
-    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
-    struct ethhdr *eth = data;
-    if ((void *)(eth + 1) > end) return XDP_PASS;
-    __u8 proto = 0;
-    if (eth->h_proto == htons(ETH_P_IP)) {
-        struct iphdr *ip = (void *)(eth + 1);
-        if ((void *)(ip + 1) > end) return XDP_PASS;
-        proto = ip->protocol;
-    } else if (eth->h_proto == htons(ETH_P_IPV6)) {
-        struct ipv6hdr *ip6 = (void *)(eth + 1);
-        if ((void *)(ip6 + 1) > end) return XDP_PASS;
-        proto = ip6->nexthdr;
-    }
-    if (proto != IPPROTO_TCP || bpf_get_prandom_u32() % 100 >= PCT) return XDP_PASS;
-    return XDP_DROP;
-}
-"""
-b = BPF(text=text, cflags=["-DPCT=" + sys.argv[2]])
-b.attach_xdp(sys.argv[1], b.load_func("sits_test_drop", BPF.XDP), 0)
-print("attached", flush=True)  # the attachment outlives this process; netns deletion ends it
-'''
-
-
-def _sh(*cmd: str, timeout: float = 20) -> str:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True,
-                          timeout=timeout).stdout
-
-
-@dataclass
-class Netns:
-    a: str
-    b: str
-    dev_a: str
-    dev_b: str
-    tmp: Path
-    procs: list[subprocess.Popen[str]] = field(default_factory=list)
-
-    def exec(self, ns: str, *cmd: str) -> list[str]:
-        return ["ip", "netns", "exec", ns, *cmd]
-
-    def counters(self, ns: str) -> dict[str, int]:
-        """Tcp* (/proc/net/snmp) and TcpExt* (/proc/net/netstat) of a namespace, as nstat."""
-        out: dict[str, int] = {}
-        for f in ("/proc/net/snmp", "/proc/net/netstat"):
-            lines = _sh(*self.exec(ns, "cat", f)).splitlines()
-            for names, values in zip(lines[::2], lines[1::2]):
-                prefix, *keys = names.split()
-                _, *vals = values.split()
-                for k, v in zip(keys, vals):
-                    out[prefix.rstrip(":") + k] = int(v)
-        return out
+class PeerNetns(Netns):
+    """The namespaces, with peer.py (PEER) as server and client."""
 
     def server(self, ns: str, host: str, port: int, how: str) -> subprocess.Popen[str]:
-        p = subprocess.Popen(self.exec(ns, sys.executable, str(self.tmp / "peer.py"), "serve",
-                                       host, str(port), how),
-                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        self.procs.append(p)
+        p = self.spawn(ns, sys.executable, str(self.tmp / "peer.py"), "serve", host, str(port),
+                       how)
         assert p.stdout is not None and p.stdout.readline().strip() == "listening"
         return p
 
     def client(self, ns: str, host: str, port: int, how: str, n: int) -> subprocess.Popen[str]:
-        p = subprocess.Popen(self.exec(ns, sys.executable, str(self.tmp / "peer.py"), "client",
-                                       host, str(port), how, str(n)),
-                             stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
-        self.procs.append(p)
-        return p
-
-    def drop(self, pct: int) -> None:
-        for ns, dev in ((self.a, self.dev_a), (self.b, self.dev_b)):
-            if pct:
-                out = _sh(*self.exec(ns, sys.executable, str(self.tmp / "drop.py"), dev,
-                                     str(pct)), timeout=60)
-                assert "attached" in out
-            else:
-                _sh("ip", "-n", ns, "link", "set", "dev", dev, "xdp", "off")
-
-    def sockets(self, ns: str, port: int, state: str = "all") -> list[str]:
-        out = _sh(*self.exec(ns, "ss", "-Htan", "state", state,
-                             f"( sport = :{port} or dport = :{port} )"))
-        return [ln for ln in out.splitlines() if ln.strip()]
-
-    def stop_servers(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=5)
-        self.procs.clear()
+        return self.spawn(ns, sys.executable, str(self.tmp / "peer.py"), "client", host,
+                          str(port), how, str(n), stdin=subprocess.PIPE)
 
 
 @pytest.fixture(scope="module")
-def netns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Netns]:
-    tag = f"{os.getpid() % 100000}"
-    n = Netns(f"sitsA{tag}", f"sitsB{tag}", f"sA{tag}", f"sB{tag}",
-              tmp_path_factory.mktemp("tcpsig"))
-    (n.tmp / "peer.py").write_text(PEER)
-    (n.tmp / "drop.py").write_text(DROPPER)
-    try:
-        _sh("ip", "netns", "add", n.a)
-        _sh("ip", "netns", "add", n.b)
-        _sh("ip", "link", "add", n.dev_a, "type", "veth", "peer", "name", n.dev_b)
-        for ns, dev, a4, a6 in ((n.a, n.dev_a, A_ADDR, A_ADDR6), (n.b, n.dev_b, B_ADDR, B_ADDR6)):
-            _sh("ip", "link", "set", dev, "netns", ns)
-            _sh("ip", "-n", ns, "addr", "add", f"{a4}/24", "dev", dev)
-            _sh("ip", "-n", ns, "addr", "add", f"{a6}/64", "dev", dev, "nodad")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            # short retransmit timeouts keep the lossy test within seconds
-            _sh("ip", "-n", ns, "route", "replace", "10.203.0.0/24", "dev", dev, "rto_min", "10ms")
+def netns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerNetns]:
+    tmp = tmp_path_factory.mktemp("tcpsig")
+    (tmp / "peer.py").write_text(PEER)
+    with netns_pair(tmp, f"{os.getpid() % 100000}", PeerNetns) as n:
         yield n
-    finally:
-        n.stop_servers()
-        for ns in (n.a, n.b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
-        subprocess.run(["ip", "link", "del", n.dev_a], capture_output=True, timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +162,7 @@ def delta(before: dict[str, int], after: dict[str, int], key: str) -> int:
     return after[key] - before[key]
 
 
-def wait_closed(netns: Netns, port: int, timeout: float = 15) -> None:
+def wait_closed(netns: PeerNetns, port: int, timeout: float = 15) -> None:
     """Until no socket of `port` is left in either namespace but TIME_WAIT ones."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -315,7 +207,7 @@ def misses(kernel: loader.Kernel, *names: str) -> int:
     return sum(got.get(n, 0) for n in names)
 
 
-def test_retransmits_equal_kernel_counters(netns: Netns, kernel: loader.Kernel,
+def test_retransmits_equal_kernel_counters(netns: PeerNetns, kernel: loader.Kernel,
                                            ring: loader.RingSource) -> None:
     port = 47011
     progs = ("tracepoint__tcp__tcp_retransmit_skb", "tracepoint__tcp__tcp_retransmit_synack")
@@ -383,7 +275,7 @@ def test_retransmits_equal_kernel_counters(netns: Netns, kernel: loader.Kernel,
     assert span.attributes["sits.tcp.resets"] == 0
 
 
-def test_resets_equal_kernel_counters(netns: Netns, kernel: loader.Kernel,
+def test_resets_equal_kernel_counters(netns: PeerNetns, kernel: loader.Kernel,
                                       ring: loader.RingSource) -> None:
     port, closed = 47012, 47013
     sig = TcpSignals(BccMaps(kernel.bpf))
@@ -434,7 +326,7 @@ def test_resets_equal_kernel_counters(netns: Netns, kernel: loader.Kernel,
         assert not conns[c].time_wait and conns[c].closed_ns
 
 
-def test_time_wait_counts_equal_ss(netns: Netns, kernel: loader.Kernel,
+def test_time_wait_counts_equal_ss(netns: PeerNetns, kernel: loader.Kernel,
                                    ring: loader.RingSource) -> None:
     client_first, server_first = 47014, 47015
     sig = TcpSignals(BccMaps(kernel.bpf))
@@ -464,7 +356,7 @@ def test_time_wait_counts_equal_ss(netns: Netns, kernel: loader.Kernel,
     assert ("local", client_first) not in entries  # the passive closer has no TIME_WAIT
 
 
-def test_srtt_matches_ss_over_ipv6(netns: Netns, kernel: loader.Kernel,
+def test_srtt_matches_ss_over_ipv6(netns: PeerNetns, kernel: loader.Kernel,
                                    ring: loader.RingSource) -> None:
     port = 47016
     sig = TcpSignals(BccMaps(kernel.bpf))
@@ -475,7 +367,7 @@ def test_srtt_matches_ss_over_ipv6(netns: Netns, kernel: loader.Kernel,
     cli.stdin.flush()
     info = json.loads(cli.stdout.readline())
     try:
-        ss = _sh(*netns.exec(netns.a, "ss", "-Htin", "state", "established",
+        ss = sh(*netns.exec(netns.a, "ss", "-Htin", "state", "established",
                              f"( dport = :{port} )"))
         m = re.search(r"\brtt:([\d.]+)/", ss)
         assert m, ss
