@@ -87,8 +87,13 @@ def test_nginx_methods_statuses_and_timing(tracer: Tracer, nginx: Nginx, scheme:
         nginx_ms = float(log[0][2]) * 1000
         # nginx's $request_time is the difference of two readings of its cached millisecond
         # clock: each truncated to the ms, so it is below the true time by up to 1 ms, and a
-        # stale cache adds a little (seen once: 1.006 ms traced against "0.000")
-        assert -0.25 <= duration_ms(s) - nginx_ms <= 1.25, (duration_ms(s), nginx_ms)
+        # stale cache adds a little (seen once: 1.006 ms traced against "0.000"). The cache
+        # is refreshed once per event-loop turn, so time the worker spent waiting for a CPU
+        # inside one turn is invisible to nginx: the span's own run-queue delay says how
+        # much (seen: 1.69 ms traced, "0.000" logged, 1.565 ms in the run queue)
+        waited_ms = a.get("sits.cpu.runq_delay_us", 0) / 1000
+        assert -0.25 <= duration_ms(s) - nginx_ms <= 1.25 + waited_ms, \
+            (path, duration_ms(s), nginx_ms, waited_ms)
         assert s["status"]["code"] == ("ERROR" if status >= 500 else "UNSET")
 
 
