@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import enum
+import functools
 import ipaddress
 import time
 from collections.abc import Callable
@@ -129,6 +130,7 @@ class TcpState(enum.IntEnum):
     NEW_SYN_RECV = 12
 
 
+@functools.lru_cache(maxsize=4096)
 def addr16(address: str) -> bytes:
     """The kernel's view of an address: IPv6, with IPv4 as v4-mapped (::ffff:a.b.c.d)."""
     ip = ipaddress.ip_address(address)
@@ -137,6 +139,7 @@ def addr16(address: str) -> bytes:
     return ip.packed
 
 
+@functools.lru_cache(maxsize=4096)
 def format_addr16(raw: bytes) -> str:
     ip = ipaddress.IPv6Address(bytes(raw[:16]))
     return str(ip.ipv4_mapped or ip)
@@ -152,6 +155,9 @@ class TcpTuple:
     remote_port: int
 
     def key(self) -> bytes:
+        return _tuple_key(self)
+
+    def _key(self) -> bytes:
         k = TcpKeyC()
         k.laddr[:] = addr16(self.local_address)
         k.raddr[:] = addr16(self.remote_address)
@@ -166,6 +172,12 @@ class TcpTuple:
     def from_key(cls, raw: bytes) -> TcpTuple:
         k = TcpKeyC.from_buffer_copy(raw[: ctypes.sizeof(TcpKeyC)])
         return cls(format_addr16(bytes(k.laddr)), k.lport, format_addr16(bytes(k.raddr)), k.rport)
+
+
+@functools.lru_cache(maxsize=16384)
+def _tuple_key(t: TcpTuple) -> bytes:
+    """Map keys are built per span (twice: both directions): addresses parse once."""
+    return t._key()
 
 
 @dataclass(frozen=True, slots=True)
