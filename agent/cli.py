@@ -80,6 +80,7 @@ def trace(
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file")] = None,
     record: Annotated[Optional[Path], typer.Option("--record", help="also save raw ring-buffer records to this file (fixtures)")] = None,
     replay: Annotated[Optional[Path], typer.Option("--replay", help="decode a recording instead of the kernel (no root needed)")] = None,
+    cpu_budget: Annotated[Optional[float], typer.Option("--cpu-budget", help="cores the agent may use before the kernel samples exchanges (0: capture all)")] = None,
 ) -> None:
     """Print every completed HTTP/HTTPS span.
 
@@ -90,7 +91,8 @@ def trace(
       sits-trace trace -p $(pgrep -o nginx) --port 443 -d 30
     """
     try:
-        cfg = load_config(config, overrides={"trace.pids": pid or None, "trace.port": port})
+        cfg = load_config(config, overrides={"trace.pids": pid or None, "trace.port": port,
+                                             "trace.cpu_budget": cpu_budget})
     except ConfigError as exc:
         _fail(str(exc))
     sink = _json_printer if as_json else _TablePrinter()

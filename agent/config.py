@@ -30,6 +30,9 @@ class TraceConfig:
     ringbuf_mib: int = 16  # ring buffer size (a power of two)
     poll_ms: int = 20
     idle_timeout_s: float = 30.0
+    # cores the agent may use; above it the kernel captures one exchange in 2**n (and counts
+    # the rest) until it fits: see agent/shedding.py. 0: capture everything, whatever it costs
+    cpu_budget: float = 0.5
     ssl_libraries: list[str] = field(default_factory=list)
 
 
@@ -80,6 +83,7 @@ class Config:
         _range("trace.port", t.port, 0, 65535)
         _range("trace.poll_ms", t.poll_ms, 1, 1000)
         _range("trace.idle_timeout_s", t.idle_timeout_s, 0.1, 86400)
+        _range("trace.cpu_budget", t.cpu_budget, 0, 1024)
         for p in t.pids:
             _range("trace.pids", p, 1, 2**22)
         e = self.export

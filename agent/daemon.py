@@ -82,7 +82,7 @@ class Agent:
         pids = self._target_pids()
         opts = LoadOptions(
             ringbuf_pages=t.ringbuf_mib * 256, max_payload=t.capture_bytes,
-            target_pids=pids, tls=t.tls, ssl_libraries=t.ssl_libraries,
+            target_pids=pids, tls=t.tls, ssl_libraries=t.ssl_libraries, cpu_budget=t.cpu_budget,
         )
         add = nodesignals.load_additions(self._node_cfg, _tracefs(), self.procfs.root)
         # both append to extra_programs/defines/tracepoints: they compose in either order
@@ -224,5 +224,6 @@ def format_stats_lines(stats: dict[str, Any]) -> Sequence[str]:
     return [
         f"records={t.get('records', 0)} spans={t.get('spans', 0)} "
         f"decode_errors={t.get('decode_errors', 0)} lost_in_kernel={lost_total(stats)} "
+        f"exchanges_shed={t.get('exchanges_shed', 0)} capture_shift={t.get('capture_shift', 0)} "
         f"parser_resyncs={p.get('resyncs', 0)} parser_malformed={p.get('malformed', 0)}",
     ]

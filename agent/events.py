@@ -74,7 +74,7 @@ class DataEventHdrC(ctypes.Structure):
         ("direction", ctypes.c_uint8),
         ("source", ctypes.c_uint8),
         ("role", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),
         ("runq_us", ctypes.c_uint32),
     ]
 
@@ -127,6 +127,8 @@ class DataEvent:
     role: Role
     payload: bytes
     runq_us: int = 0  # the thread's run-queue wait so far, mod 2**32 microseconds (sched.c)
+    sample_shift: int = 0  # the exchange was captured as one in 2**sample_shift (load shedding)
+    gap: bool = False  # whole exchanges were skipped on this connection just before
 
 
 @dataclass(slots=True)
@@ -165,7 +167,9 @@ def _decode_conn(raw: bytes) -> ConnEvent:
     )
 
 
-_DATA_HDR = struct.Struct("<IIQQQQIiIIBBBxI")  # = DataEventHdrC, checked by a test
+DATA_SAMPLE_SHIFT = 0x1F  # struct data_event flags (bpf/events.h)
+DATA_GAP = 0x80
+_DATA_HDR = struct.Struct("<IIQQQQIiIIBBBBI")  # = DataEventHdrC, checked by a test
 _DIRECTIONS = tuple(Direction)
 _SOURCES = tuple(Source)
 _ROLES = tuple(Role)
@@ -174,7 +178,7 @@ _ROLES = tuple(Role)
 def _decode_data(raw: bytes) -> DataEvent:
     # the hot path (two records per request): struct, not ctypes; enum members by index
     (_, tgid, conn_id, t_enter, t_exit, ssl, tid, fd, length, captured, direction, source,
-     role, runq_us) = _DATA_HDR.unpack_from(raw)
+     role, flags, runq_us) = _DATA_HDR.unpack_from(raw)
     end = DATA_HDR_SIZE + captured
     if end > len(raw) or captured > length or direction > 1 or source > 2 or role > 2:
         raise DecodeError(f"data record: captured={captured} len={length} size={len(raw)} "
@@ -183,7 +187,7 @@ def _decode_data(raw: bytes) -> DataEvent:
         pid=tgid, tid=tid, conn_id=conn_id, fd=fd, ssl=ssl, ts_enter_ns=t_enter,
         ts_exit_ns=t_exit, length=length, direction=_DIRECTIONS[direction],
         source=_SOURCES[source], role=_ROLES[role], payload=raw[DATA_HDR_SIZE:end],
-        runq_us=runq_us,
+        runq_us=runq_us, sample_shift=flags & DATA_SAMPLE_SHIFT, gap=bool(flags & DATA_GAP),
     )
 
 

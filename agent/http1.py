@@ -38,6 +38,7 @@ _MAX_CHUNK_LINE = 4096
 ERR_CLOSED = "connection_closed"
 ERR_INCOMPLETE = "response_incomplete"
 ERR_IDLE = "idle_timeout"
+ERR_GAP = "capture_gap"  # the rest of the exchange fell into exchanges the kernel skipped
 ERR_BAD_REQUEST = "malformed_request"
 ERR_BAD_RESPONSE = "malformed_response"
 
@@ -64,6 +65,7 @@ class ParserStats:
     malformed: int = 0  # malformed heads, lengths, chunk sizes, cut header blocks
     exchanges: int = 0  # exchanges emitted
     dropped_bytes: int = 0  # bytes skipped while resyncing
+    gaps: int = 0  # times the kernel skipped exchanges (load shedding) and the parser restarted
     uncaptured_bytes: int = 0  # bytes that moved but were not captured (Chunk.length - data)
     orphan_responses: int = 0  # responses with no pending request (dropped)
     tls_streams: int = 0  # connections ignored because they carry TLS records
@@ -235,6 +237,15 @@ class HttpConnParser:
         self._off = True
         self._last_ns = max(self._last_ns, ts_ns)
         self._finish(ERR_CLOSED)
+
+    def gap(self) -> None:
+        """The kernel skipped whole exchanges on this connection (load shedding) before the
+        next chunk, which starts an exchange. Whatever is pending ended in the skipped
+        bytes: complete it where it stands and begin both halves afresh."""
+        if self._off:
+            return
+        self.stats.gaps += 1
+        self._finish(ERR_GAP)
 
     def flush_idle(self, now_ns: int, idle_ns: int) -> None:
         """After `idle_ns` without bytes, complete a close-delimited response and give up

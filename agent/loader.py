@@ -32,6 +32,7 @@ from .probes import (
     tracefs_root,
 )
 from .ringbuf import MmapRing
+from .shedding import LoadShedder
 
 
 class EventSource(Protocol):
@@ -52,6 +53,7 @@ class LoadOptions:
     extra_uprobes: Sequence[Uprobe] = ()
     extra_defines: dict[str, int | str] = field(default_factory=dict)
     ssl_libraries: Sequence[str] = ()  # extra libssl paths to probe
+    cpu_budget: float = 0.5  # cores the agent may use before it sheds load (0: never)
 
 
 class BccUnavailable(ProbeError):
@@ -87,6 +89,19 @@ class Kernel:
             total = sum(int(x) for x in v)
             if total:
                 out[int(k.value)] = total
+        return out
+
+    def set_capture_shift(self, shift: int) -> None:
+        """Capture one exchange in 2**shift from now on (0: all)."""
+        table = self.bpf["capture_shift"]
+        table[table.Key(0)] = table.Leaf(shift)
+
+    def shed_counts(self) -> dict[tuple[int, int], int]:
+        """Exchanges the kernel did not capture, by (pid, role)."""
+        out: dict[tuple[int, int], int] = {}
+        for k, v in self.bpf["shed"].items():
+            key = int(k.value)
+            out[(key >> 8, key & 0xFF)] = sum(int(x) for x in v)
         return out
 
     def add_target_pid(self, pid: int) -> None:
@@ -186,6 +201,9 @@ class RingSource:
     def __init__(self, kernel: Kernel, map_name: str = "events") -> None:
         self._bpf = kernel.bpf
         self._mmap: MmapRing | None = None
+        self.shedder = LoadShedder(kernel.set_capture_shift, cpu_budget=kernel.opts.cpu_budget,
+                                   lost=lambda: sum(kernel.counters("lost").values()))
+        self._kernel = kernel
         table = kernel.bpf[map_name]
         if ringbuf.supported() and os.environ.get("SITS_RING_READER", "mmap") != "bcc":
             self._mmap = MmapRing(table.map_fd, kernel.opts.ringbuf_pages * mmap.PAGESIZE)
@@ -205,7 +223,12 @@ class RingSource:
     def reader(self) -> str:
         return "mmap" if self._mmap is not None else "bcc"
 
+    def shedding(self) -> tuple[int, int]:
+        """(current capture shift, exchanges skipped so far)."""
+        return self.shedder.state.shift, sum(self._kernel.shed_counts().values())
+
     def read(self, timeout_ms: int) -> list[bytes]:
+        self.shedder.tick()
         if self._mmap is not None:
             return self._mmap.read(timeout_ms)
         self._bpf.ring_buffer_poll(timeout_ms)
@@ -284,6 +307,10 @@ class TeeSource:
         recs = self.inner.read(timeout_ms)
         self.recorder.write(recs)
         return recs
+
+    def shedding(self) -> tuple[int, int]:
+        inner = getattr(self.inner, "shedding", None)
+        return inner() if inner is not None else (0, 0)
 
     def close(self) -> None:
         self.inner.close()

@@ -47,6 +47,9 @@ class ConnInfo:
     local_port: int = 0
     comm: str = ""
     tls: bool = False
+    # the exchange in progress stands for 2**sample_shift (the kernel sheds load by
+    # capturing one exchange in 2**n when the agent cannot keep up); 0: not sampled
+    sample_shift: int = 0
 
 
 @dataclass(slots=True)

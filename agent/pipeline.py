@@ -41,6 +41,8 @@ class TracerStats:
     conns_closed: int = 0
     conns_active: int = 0
     orphan_data: int = 0  # data for a connection never seen opening (kept, conn made up)
+    capture_shift: int = 0  # load shedding: the kernel captures one exchange in 2**shift
+    exchanges_shed: int = 0  # exchanges the kernel skipped (counted, not traced)
     parser: ParserStats = field(default_factory=ParserStats)
 
 
@@ -96,6 +98,9 @@ class Tracer:
         if now >= self._next_sweep:
             self.sweep(now)
             self._next_sweep = now + 1_000_000_000
+            shedding = getattr(self.source, "shedding", None)
+            if shedding is not None:
+                self.stats.capture_shift, self.stats.exchanges_shed = shedding()
         return len(recs)
 
     def process(self, records: Iterable[bytes]) -> None:
@@ -126,6 +131,9 @@ class Tracer:
 
     def close_all(self) -> None:
         """Graceful stop: every pending exchange is emitted."""
+        shedding = getattr(self.source, "shedding", None)
+        if shedding is not None:
+            self.stats.capture_shift, self.stats.exchanges_shed = shedding()
         now = self._now()
         for c in list(self._conns.values()) + list(self._tls_streams.values()):
             c.parser.close(now)
@@ -260,6 +268,9 @@ class Tracer:
                 c.parser = HttpConnParser(c.info, self._emit, stats=self.stats.parser)
         elif c.info.tls:
             return  # ciphertext of a TLS connection: its plaintext comes from the uprobes
+        if ev.gap:
+            c.parser.gap()
+        c.info.sample_shift = ev.sample_shift
         c.parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length))
 
     # ---- spans ----

@@ -43,7 +43,7 @@ def supported() -> bool:
 class MmapRing:
     """Records of one BPF_MAP_TYPE_RINGBUF map, by its fd and data size (bytes, a power of 2)."""
 
-    def __init__(self, map_fd: int, size: int, *, max_batch: int = 65536,
+    def __init__(self, map_fd: int, size: int, *, max_batch: int = 4096,
                  eager_bytes: int | None = None) -> None:
         if size <= 0 or size & (size - 1):
             raise ValueError(f"ring size must be a power of two, got {size}")
@@ -69,7 +69,9 @@ class MmapRing:
         return int(_POS.unpack_from(self._prod_map, 0)[0] - self._cons)
 
     def read(self, timeout_ms: int) -> list[bytes]:
-        """Records committed so far, read at most every timeout_ms unless plenty are waiting.
+        """Records committed so far (at most max_batch: the agent's loop, and its load
+        shedder, must come round often), read at most every timeout_ms unless plenty are
+        waiting.
 
         Batching is the point: one read per interval costs the same few system calls
         whether it returns ten records or ten thousand, while a reader woken per record

@@ -84,6 +84,10 @@ class SpanBuilder:
         error = _error_type(ex, client)
         if error is not None:
             attrs["error.type"] = error
+        if conn.sample_shift:
+            # captured as one exchange in 2**n while the agent shed load: what the
+            # probability sampler of the OTel SDK writes, so backends can re-weight
+            attrs["sampling.probability"] = 1.0 / (1 << conn.sample_shift)
         off = self.clock_offset_ns
         start = req.start_ns + off
         end = (resp.end_ns if resp is not None else req.end_ns) + off

@@ -103,12 +103,15 @@ struct data_event {
     __u8 direction; /* 0 ingress (read), 1 egress (write) */
     __u8 source;    /* enum sits_source */
     __u8 role;
-    __u8 _pad;
+    __u8 flags;     /* DATA_SAMPLE_SHIFT: this exchange stands for 2^shift (load shedding);
+                     * DATA_GAP: whole exchanges were skipped on the connection before it */
     __u32 runq_us;  /* the thread's run-queue wait so far (sched.c), low 32 bits of
                      * microseconds: subtract modulo 2^32; 0 without sched.c */
     char payload[SITS_MAX_PAYLOAD];
 };
 #define DATA_HDR_SIZE (sizeof(struct data_event) - SITS_MAX_PAYLOAD)
+#define DATA_SAMPLE_SHIFT 0x1f
+#define DATA_GAP 0x80
 
 /* EV_PROC_EXEC / EV_PROC_EXIT: lets the agent find libraries in new processes */
 struct proc_event {
@@ -126,7 +129,11 @@ struct conn_state {
     __u64 ssl;
     __u8 role;
     __u8 tls;
-    __u8 _pad[6];
+    __u8 last_dir; /* direction of the last plaintext seen + 1; 0 before any */
+    __u8 skip;     /* the current exchange is not captured (load shedding) */
+    __u8 gap;      /* exchanges were skipped since the last record sent */
+    __u8 shift;    /* the current exchange was captured as 1 in 2^shift */
+    __u8 _pad[2];
 };
 
 BPF_RINGBUF_OUTPUT(events, SITS_RINGBUF_PAGES);
@@ -143,6 +150,13 @@ struct data_scratch_t {
 };
 BPF_PERCPU_ARRAY(data_scratch, struct data_scratch_t, 1);
 BPF_PERCPU_ARRAY(since_wakeup, __u64, 1);
+/* Load shedding, set by the agent when it cannot keep up: capture one exchange in
+ * 2^capture_shift (0: all). Decided at each exchange's first byte, so a connection's
+ * stream is cut only between exchanges, never inside one. */
+BPF_ARRAY(capture_shift, __u32, 1);
+BPF_PERCPU_ARRAY(exchange_seq, __u64, 1);
+/* exchanges not captured, per process and role: key tgid << 8 | role */
+BPF_PERCPU_HASH(shed, __u64, __u64, 4096);
 
 #ifndef SITS_SCHED
 #define SITS_SCHED 0 /* 1: sched.c is loaded */
@@ -235,6 +249,51 @@ static __always_inline int traced_tgid(__u32 tgid)
         return 0;
 #endif
     return 1;
+}
+
+/* At the first byte of each exchange (a request read by a server, written by a client),
+ * decide whether the exchange is captured. Returns 0 when its bytes are not to be sent. */
+static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, __u8 direction)
+{
+    __u8 cur = direction + 1;
+    __u8 req = st->role == ROLE_CLIENT ? 2 : 1;
+    if (cur == req && st->last_dir != req) {
+        int zero = 0;
+        __u32 *shift = capture_shift.lookup(&zero);
+        __u32 s = shift ? *shift & DATA_SAMPLE_SHIFT : 0;
+        __u8 skip = 0;
+        if (s) {
+            __u64 *seq = exchange_seq.lookup(&zero);
+            if (seq) {
+                __u64 n = (*seq)++;
+                skip = (n & ((1ULL << s) - 1)) != 0;
+            }
+        }
+        st->skip = skip;
+        st->shift = s;
+        if (skip) {
+            st->gap = 1;
+            __u64 key = ((__u64)tgid << 8) | st->role, one = 1;
+            __u64 *c = shed.lookup(&key);
+            if (c)
+                (*c)++;
+            else
+                shed.update(&key, &one);
+        }
+    }
+    st->last_dir = cur;
+    return !st->skip;
+}
+
+/* flags for the next record sent on the connection (clears the gap) */
+static __always_inline __u8 capture_flags(struct conn_state *st)
+{
+    __u8 f = st->shift & DATA_SAMPLE_SHIFT;
+    if (st->gap) {
+        f |= DATA_GAP;
+        st->gap = 0;
+    }
+    return f;
 }
 
 static __always_inline __u64 new_conn_id(void)

@@ -312,9 +312,12 @@ static __always_inline int io_exit(long ret)
         last_read_fd.update(&id, &a.conn);
     if (st->tls)
         return 0; /* a memory-BIO TLS connection: tls.c emits the plaintext */
+    if (!capture_exchange(id >> 32, st, a.direction))
+        return 0;
     struct data_event *ev = data_event_init(id, st->conn_id, st->role);
     if (!ev)
         return 0;
+    ev->flags = capture_flags(st);
     ev->fd = (__s32)(__u32)a.conn;
     ev->ts_enter_ns = a.ts_ns;
     ev->ts_exit_ns = bpf_ktime_get_ns();
@@ -344,8 +347,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_read)
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret); }
 
+#define SITS_MSG_PEEK 2
+/* a MSG_PEEK read is read again for real later (nginx peeks one byte to tell TLS from
+ * plaintext): sending it would hand the parser those bytes twice */
 TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom)
 {
+    if (args->flags & SITS_MSG_PEEK)
+        return 0;
     return io_enter(args->fd, (__u64)args->ubuf, 0, 0, SRC_SYSCALL);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret); }
@@ -408,6 +416,8 @@ static __always_inline int msg_enter(int fd, __u64 msg, __u8 dir)
 #ifndef SITS_NO_SYSCALLS_SYS_ENTER_RECVMSG
 TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg)
 {
+    if (args->flags & SITS_MSG_PEEK)
+        return 0;
     return msg_enter(args->fd, (__u64)args->msg, 0);
 }
 #endif

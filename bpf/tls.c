@@ -71,9 +71,12 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
         return 0;
     __u64 key = 0;
     struct conn_state *st = ssl_conn(id, a.ssl, &key);
+    if (st && !capture_exchange(id >> 32, st, a.direction))
+        return 0;
     struct data_event *ev = data_event_init(id, st ? st->conn_id : 0, st ? st->role : ROLE_UNKNOWN);
     if (!ev)
         return 0;
+    ev->flags = st ? capture_flags(st) : 0;
     ev->fd = st ? (__s32)(__u32)key : -1;
     ev->ssl = a.ssl;
     ev->ts_enter_ns = a.ts_ns;

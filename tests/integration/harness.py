@@ -56,7 +56,10 @@ class Tracer:
         self.spans: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [SITS, "trace", "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            # full capture unless a test says otherwise: these tests count every request, and
+            # a loaded CI machine must not make the agent shed load (test_load_shedding does)
+            [SITS, "trace", "--json", *(() if "--cpu-budget" in args else ("--cpu-budget", "0")),
+             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, bufsize=1,
         )
         self.stderr_lines: list[str] = []
@@ -153,7 +156,9 @@ class SitsRun:
 
 
 def write_config(path: Path, **export: object) -> Path:
-    lines = ["[export]"] + [f"{k} = {json.dumps(v)}" for k, v in export.items()]
+    # full capture: these tests count spans (shedding has its own test)
+    lines = ["[trace]", "cpu_budget = 0", "[export]"] + \
+        [f"{k} = {json.dumps(v)}" for k, v in export.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

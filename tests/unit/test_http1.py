@@ -702,3 +702,34 @@ def test_http_shaped_noise_never_raises(pieces: list[bytes], dirs: list[bool], r
         run.feed(chunk(EGRESS if egress else INGRESS, piece))
     run.parser.close(10**13)
     assert run.stats.internal_errors == 0
+
+
+# ---- load shedding: the kernel skips whole exchanges ----
+
+
+def test_gap_after_complete_exchange_loses_nothing() -> None:
+    run = new().feed(req(GET), resp(OK))
+    run.parser.gap()  # exchanges were skipped here; the next chunk starts one
+    run.feed(req(b"GET /b HTTP/1.1\r\nHost: h\r\n\r\n"), resp(OK))
+    assert [summary(e) for e in run.out] == [("GET", "/a", 0, 200, 2, None),
+                                             ("GET", "/b", 0, 200, 2, None)]
+    assert run.stats.gaps == 1 and run.stats.resyncs == 0 and run.stats.malformed == 0
+
+
+def test_gap_inside_a_body_restarts_at_the_next_request() -> None:
+    # a response whose body continues into the skipped bytes: it ends at the gap, and the
+    # next request parses cleanly instead of being taken for body bytes
+    long_body = b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n" + b"x" * 100
+    run = new().feed(req(GET), resp(long_body))
+    run.parser.gap()
+    run.feed(req(b"GET /next HTTP/1.1\r\nHost: h\r\n\r\n"), resp(OK))
+    assert [summary(e) for e in run.out] == [("GET", "/a", 0, 200, 100, "response_incomplete"),
+                                             ("GET", "/next", 0, 200, 2, None)]
+
+
+def test_gap_with_request_but_no_response() -> None:
+    run = new().feed(req(GET))
+    run.parser.gap()
+    run.feed(req(b"GET /c HTTP/1.1\r\nHost: h\r\n\r\n"), resp(OK))
+    assert [summary(e) for e in run.out] == [("GET", "/a", 0, None, None, "capture_gap"),
+                                             ("GET", "/c", 0, 200, 2, None)]

@@ -1,0 +1,98 @@
+"""The load shedder's control loop, on a scripted clock and CPU meter."""
+
+from __future__ import annotations
+
+from sits_trace.agent.shedding import MAX_SHIFT, LoadShedder
+
+
+class Meter:
+    """A clock and the agent's CPU time, advanced by the test."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.cpu = 0.0
+        self.lost = 0
+
+    def run(self, seconds: float, cores: float) -> None:
+        self.t += seconds
+        self.cpu += seconds * cores
+
+
+def shedder(m: Meter, budget: float, shifts: list[int]) -> LoadShedder:
+    return LoadShedder(shifts.append, cpu_budget=budget, lost=lambda: m.lost,
+                       cpu_time=lambda: m.cpu, now=lambda: m.t)
+
+
+def test_over_budget_sheds_in_proportion() -> None:
+    m, shifts = Meter(), []
+    s = shedder(m, 0.5, shifts)
+    # 0.9 cores: one halving fits; then 0.45: stay
+    for cores in (0.9, 0.45, 0.45):
+        m.run(1.0, cores)
+        s.tick()
+    assert shifts == [1]
+    # a flood: 1.0 core (the agent is saturated) against a budget of 0.05 is 20x: 5 halvings
+    m2, shifts2 = Meter(), []
+    s2 = shedder(m2, 0.05, shifts2)
+    m2.run(1.0, 1.0)
+    s2.tick()
+    assert shifts2 == [5]
+    m2.run(1.0, 0.04)
+    s2.tick()
+    assert s2.state.shift == 5 and abs(s2.state.cpu_cores - 0.04) < 1e-9
+
+
+def test_acts_once_per_interval() -> None:
+    m, shifts = Meter(), []
+    s = shedder(m, 0.5, shifts)
+    for _ in range(9):
+        m.run(0.1, 0.8)
+        s.tick()
+    assert shifts == []  # 0.9 s: not yet
+    m.run(0.125, 0.8)
+    s.tick()
+    assert shifts == [1]
+
+
+def test_lost_records_raise_the_shift_even_under_budget() -> None:
+    m, shifts = Meter(), []
+    s = shedder(m, 0.5, shifts)
+    m.run(1.0, 0.3)
+    m.lost += 10
+    s.tick()
+    assert shifts == [1]
+
+
+def test_recovers_with_hysteresis() -> None:
+    m, shifts = Meter(), []
+    s = shedder(m, 0.5, shifts)
+    m.run(1.0, 0.9)
+    s.tick()
+    m.run(1.0, 0.9)
+    s.tick()
+    assert s.state.shift == 2
+    m.run(1.0, 0.3)  # under budget but above 40% of it: doubling would overshoot, stay
+    s.tick()
+    assert s.state.shift == 2
+    m.run(1.0, 0.1)
+    s.tick()
+    m.run(1.0, 0.1)
+    s.tick()
+    assert shifts == [1, 2, 1, 0]
+    m.run(1.0, 0.0)
+    s.tick()
+    assert shifts == [1, 2, 1, 0]  # never below 0
+
+
+def test_zero_budget_never_sheds_and_shift_is_bounded() -> None:
+    m, shifts = Meter(), []
+    off = shedder(m, 0.0, shifts)
+    m.run(1.0, 2.0)
+    m.lost += 5
+    off.tick()
+    assert shifts == [] and off.state.cpu_cores == 2.0
+    on = shedder(m, 0.1, shifts)
+    for _ in range(MAX_SHIFT + 5):
+        m.run(1.0, 2.0)
+        on.tick()
+    assert on.state.shift == MAX_SHIFT and max(shifts) == MAX_SHIFT
