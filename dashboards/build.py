@@ -232,6 +232,11 @@ def agent_health() -> list[tuple[str, list[dict[str, Any]]]]:
         row("Agent process",
             panel("Agent CPU (cores)", [target(f"rate(sits_agent_cpu_seconds_total[{W}])",
                                                "cpu")], unit="short"),
+            panel("Load shedding: exchanges shed / capture shift", [
+                target(f"rate(sits_exchanges_shed_total[{W}])", "shed/s"),
+                target("sits_capture_shift", "shift (1 in 2^n captured)")],
+                  unit="short", desc="Over trace.cpu_budget the kernel captures one exchange "
+                  "in 2^n; request rates stay true (spans are re-weighted)"),
             panel("Agent resident memory", [target("sits_agent_resident_memory_bytes", "rss")],
                   unit="bytes"),
             panel("Connections followed / probes failed", [

@@ -43,6 +43,15 @@ def path_template(path: str) -> str:
     return "/".join(out)
 
 
+def span_weight(span: Span) -> int:
+    """How many requests the span stands for: 2**n when the kernel shed load and captured
+    one exchange in 2**n (agent/shedding.py), so RED rates stay true; 1 otherwise."""
+    p = span.attributes.get("sampling.probability")
+    if isinstance(p, float) and 0 < p < 1:
+        return max(1, round(1 / p))
+    return 1
+
+
 def span_labels(span: Span, service: str) -> LabelSet:
     a = span.attributes
     method = str(a.get("http.request.method", "")).upper()
@@ -100,16 +109,17 @@ class RedAggregator:
             return
         seconds = max(span.end_time_unix_nano - span.start_time_unix_nano, 0) / 1e9
         i = bisect.bisect_left(self.buckets, seconds)
+        w = span_weight(span)
         with self._lock:
             labels = self._limiters[metric].admit(span_labels(span, service))
             h = self._data[metric].get(labels)
             if h is None:
                 n = len(self.buckets) + 1
                 h = self._data[metric][labels] = HistogramData([0] * n, exemplars=[None] * n)
-            h.buckets[i] += 1
+            h.buckets[i] += w
             h.exemplars[i] = (span.trace_id, seconds, span.end_time_unix_nano / 1e9)
-            h.sum += seconds
-            h.count += 1
+            h.sum += seconds * w
+            h.count += w
 
     def snapshot(self, metric: str) -> dict[LabelSet, HistogramData]:
         with self._lock:

@@ -167,6 +167,9 @@ class _Metrics:
             labels = self._limiters[metric].admit(span_labels(span, service))
             attrs = {_OTEL_ATTR[k]: v for k, v in zip(LABELS, labels) if v != ""}
             dur = max(span.end_time_unix_nano - span.start_time_unix_nano, 0) / 1e9
+            # unweighted: the SDK's histograms take no weight, and recording a span shed
+            # as 1 in 2**n that many times would spend the CPU shedding saved; spans carry
+            # sampling.probability for backends that re-weight (Prometheus /metrics does)
             self._hist[metric].record(dur, attrs)
 
     def _stats(self) -> dict[str, Any]:

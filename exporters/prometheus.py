@@ -49,6 +49,9 @@ _TRACER_COUNTERS = (  # agent.stats()["tracer"] key -> metric, help
     ("spans_filtered", "sits_spans_filtered", "Spans left out by the port filter."),
     ("conns_opened", "sits_connections_opened", "Connections seen opening."),
     ("conns_closed", "sits_connections_closed", "Connections seen closing."),
+    ("exchanges_shed", "sits_exchanges_shed",
+     "HTTP exchanges the kernel counted but did not capture while the agent shed load "
+     "(trace.cpu_budget); RED histograms re-weight the captured ones."),
 )
 
 
@@ -108,6 +111,9 @@ class SitsCollector(Collector):
         active = GaugeMetricFamily("sits_connections_active", "Connections the tracer follows now.")
         active.add_metric([], float(tracer.get("conns_active", 0)))
         yield active
+        yield GaugeMetricFamily("sits_capture_shift",
+                                "Load shedding: the kernel captures one exchange in 2^shift.",
+                                value=float(tracer.get("capture_shift", 0)))
         for key, name, doc in _TRACER_COUNTERS:
             yield CounterMetricFamily(name, doc, value=float(tracer.get(key, 0)))
         parser = tracer.get("parser", {})

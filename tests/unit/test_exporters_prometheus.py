@@ -115,3 +115,26 @@ def test_scrape_survives_a_broken_agent(unused_port: int) -> None:
         exp.shutdown()
     assert "http_server_request_duration_seconds_count" in m
     assert "sits_bpf_events_total" not in m
+
+
+def test_shed_spans_are_reweighted(unused_port: int) -> None:
+    # spans captured as 1 in 8 (and 1 in 2) while the kernel shed load: the histogram counts
+    # the requests they stand for, and the kernel's count of skipped exchanges is exported
+    stats = {**AGENT_STATS, "tracer": {**AGENT_STATS["tracer"], "exchanges_shed": 9,
+                                       "capture_shift": 3}}
+    exp = PrometheusExporter(unused_port)
+    try:
+        exp.attach_agent(lambda: stats)
+        spans = [make_span(i, path="/v1/completions") for i in range(3)]  # 250 ms each
+        spans[0].attributes["sampling.probability"] = 0.125
+        spans[1].attributes["sampling.probability"] = 0.5
+        exp.export(spans)
+        m = scrape(exp.port)
+    finally:
+        exp.shutdown()
+    h = "http_server_request_duration_seconds"
+    assert value(m, h + "_count", http_route="/v1/completions") == 8 + 2 + 1
+    assert abs(value(m, h + "_sum", http_route="/v1/completions") - 11 * 0.25) < 1e-9
+    assert value(m, h + "_bucket", le="0.25", http_route="/v1/completions") == 11
+    assert value(m, "sits_exchanges_shed_total") == 9
+    assert value(m, "sits_capture_shift") == 3
