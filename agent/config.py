@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .shedding import default_cpu_budget
+
 
 STATS_PATH = Path(os.environ.get("SITS_STATS_PATH", "/run/sits-trace/stats.json"))
 
@@ -32,7 +34,7 @@ class TraceConfig:
     idle_timeout_s: float = 30.0
     # cores the agent may use; above it the kernel captures one exchange in 2**n (and counts
     # the rest) until it fits: see agent/shedding.py. 0: capture everything, whatever it costs
-    cpu_budget: float = 0.5
+    cpu_budget: float = field(default_factory=default_cpu_budget)  # 5% of CPUs, 0.1..1
     ssl_libraries: list[str] = field(default_factory=list)
 
 

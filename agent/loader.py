@@ -32,7 +32,7 @@ from .probes import (
     tracefs_root,
 )
 from .ringbuf import MmapRing
-from .shedding import LoadShedder
+from .shedding import LoadShedder, default_cpu_budget
 
 
 class EventSource(Protocol):
@@ -53,7 +53,7 @@ class LoadOptions:
     extra_uprobes: Sequence[Uprobe] = ()
     extra_defines: dict[str, int | str] = field(default_factory=dict)
     ssl_libraries: Sequence[str] = ()  # extra libssl paths to probe
-    cpu_budget: float = 0.5  # cores the agent may use before it sheds load (0: never)
+    cpu_budget: float = field(default_factory=default_cpu_budget)  # cores; 0: never shed
 
 
 class BccUnavailable(ProbeError):
@@ -201,12 +201,14 @@ class RingSource:
     def __init__(self, kernel: Kernel, map_name: str = "events") -> None:
         self._bpf = kernel.bpf
         self._mmap: MmapRing | None = None
-        self.shedder = LoadShedder(kernel.set_capture_shift, cpu_budget=kernel.opts.cpu_budget,
-                                   lost=lambda: sum(kernel.counters("lost").values()))
         self._kernel = kernel
         table = kernel.bpf[map_name]
         if ringbuf.supported() and os.environ.get("SITS_RING_READER", "mmap") != "bcc":
             self._mmap = MmapRing(table.map_fd, kernel.opts.ringbuf_pages * mmap.PAGESIZE)
+        self.shedder = LoadShedder(kernel.set_capture_shift, cpu_budget=kernel.opts.cpu_budget,
+                                   lost=lambda: sum(kernel.counters("lost").values()),
+                                   ring=self._ring_progress)
+        if self._mmap is not None:
             return
         self._batch: list[bytes] = []
         string_at = ctypes.string_at
@@ -218,6 +220,10 @@ class RingSource:
 
         self._cb = _cb  # keep a reference: bcc holds only a C pointer
         table.open_ring_buffer(_cb)
+
+    def _ring_progress(self) -> tuple[int, int]:
+        m = self._mmap
+        return (m.read_bytes(), m.pending_bytes()) if m is not None else (0, 0)
 
     @property
     def reader(self) -> str:

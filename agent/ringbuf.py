@@ -60,6 +60,7 @@ class MmapRing:
                                    offset=page)
         self._data_off = page
         self._cons = _POS.unpack_from(self._cons_map, 0)[0]
+        self._cons0 = self._cons
         self._epoll = select.epoll()
         # edge-triggered: ready only when the kernel sends a wakeup (bpf/events.h sends
         # one per SITS_WAKEUP_BYTES), not whenever a record is pending
@@ -67,6 +68,10 @@ class MmapRing:
 
     def pending_bytes(self) -> int:
         return int(_POS.unpack_from(self._prod_map, 0)[0] - self._cons)
+
+    def read_bytes(self) -> int:
+        """Bytes read (records and headers) since this reader opened the ring."""
+        return int(self._cons - self._cons0)
 
     def read(self, timeout_ms: int) -> list[bytes]:
         """Records committed so far (at most max_batch: the agent's loop, and its load

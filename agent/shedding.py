@@ -10,20 +10,30 @@ re-weight to the true rate, and the kernel's count of skipped exchanges is expor
 
 The shedder looks once per `interval_s` at the agent's own CPU time (all threads:
 parsing, span building, exporters) and at records lost in the kernel:
-- over the budget: up by ceil(log2(cpu / budget)) at once (the agent's cost is about
+- over the budget: up by ceil(log2(demand / budget)) at once (the agent's cost is about
   proportional to the exchanges it captures), so a sudden flood is met within one
-  interval rather than one halving per interval; records lost: at least one more;
+  interval rather than one halving per interval. Demand is the CPU it used, scaled by
+  how much faster records arrived than it read them (a saturated reader shows 1 core
+  however large the flood); records lost: at least one more;
 - under 40% of the budget: shift - 1 (twice as many: still under 80% of the budget).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_SHIFT = 16  # one exchange in 65536
+
+
+def default_cpu_budget(cpus: int | None = None) -> float:
+    """5% of the node's CPUs, at least 0.1 and at most 1 core: 0.1 on a 2-core VM, 1 core
+    on a 20-core-or-larger GPU node."""
+    n = cpus if cpus is not None else (os.cpu_count() or 1)
+    return round(min(1.0, max(0.1, 0.05 * n)), 3)
 
 
 @dataclass(slots=True)
@@ -36,13 +46,15 @@ class SheddingState:
 
 class LoadShedder:
     def __init__(self, set_shift: Callable[[int], None], *, cpu_budget: float,
-                 lost: Callable[[], int] = lambda: 0, interval_s: float = 1.0,
+                 lost: Callable[[], int] = lambda: 0,
+                 ring: Callable[[], tuple[int, int]] = lambda: (0, 0), interval_s: float = 1.0,
                  cpu_time: Callable[[], float] = time.process_time,
                  now: Callable[[], float] = time.monotonic) -> None:
         """`cpu_budget` in cores (0.5: half a core); 0 never sheds."""
         self._set = set_shift
         self.budget = cpu_budget
         self._lost = lost
+        self._ring = ring  # (bytes read so far, bytes waiting), from the ring reader
         self._interval = interval_s
         self._cpu = cpu_time
         self._now = now
@@ -50,6 +62,7 @@ class LoadShedder:
         self._t0 = now()
         self._c0 = cpu_time()
         self._lost0 = lost()
+        self._read0, self._wait0 = ring()
 
     def tick(self) -> None:
         """Call often (every ring read); acts once per interval."""
@@ -59,16 +72,22 @@ class LoadShedder:
             return
         c = self._cpu()
         lost = self._lost()
+        read, waiting = self._ring()
         cores = (c - self._c0) / dt
         new_loss = lost > self._lost0
+        # records arrived = read + growth of the backlog; the reader kept up with read/arrived
+        got = read - self._read0
+        arrived = got + max(0, waiting - self._wait0)
+        demand = cores * (arrived / got if got > 0 and arrived > got else 1.0)
         self._t0, self._c0, self._lost0 = t, c, lost
+        self._read0, self._wait0 = read, waiting
         st = self.state
         st.cpu_cores = cores
         if self.budget <= 0:
             return
         shift = st.shift
-        if (cores > self.budget or new_loss) and shift < MAX_SHIFT:
-            up = math.ceil(math.log2(cores / self.budget)) if cores > self.budget else 0
+        if (demand > self.budget or new_loss) and shift < MAX_SHIFT:
+            up = math.ceil(math.log2(demand / self.budget)) if demand > self.budget else 0
             shift = min(MAX_SHIFT, shift + max(up, 1) + (1 if new_loss and up else 0))
             st.raised += 1
         elif cores < 0.4 * self.budget and shift > 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import socket
@@ -70,21 +71,37 @@ _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
 PACE_SCRIPT: str | None = None  # a wrk lua script whose delay() paces each connection
 
 
+def busy_seconds() -> float:
+    """CPU seconds spent by the whole machine (all CPUs) outside idle and iowait."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def run_wrk(port: int, seconds: int, conns: int, threads: int) -> dict[str, float]:
     extra = ["-s", PACE_SCRIPT] if PACE_SCRIPT else []
+    b0 = busy_seconds()
     out = subprocess.run(
         ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--latency", *extra,
          f"http://127.0.0.1:{port}/"], capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     m = re.search(r"99%\s+([\d.]+)(us|ms|s)\b", out)
     p99 = float(m.group(1)) * _UNITS[m.group(2)] if m else float("nan")
-    return {"rps": rps, "p99_ms": p99}
+    busy = busy_seconds() - b0
+    # CPU of everything (nginx, wrk, the agent, the kernel) per request: less noisy than
+    # throughput when other work shares the machine
+    return {"rps": rps, "p99_ms": p99, "cpu_us_per_req": busy / (rps * seconds) * 1e6}
+
+
+CPU_BUDGET: str | None = None
 
 
 def agent_command(mode: str, pid: int) -> list[str]:
     if mode == "kernel":  # probes and ring only: what the kernel half costs
         return [sys.executable, str(ROOT / "bench" / "kernel_only.py"), "--pid", str(pid)]
-    return [SITS, "trace", "--json", "--pid", str(pid)]
+    cmd = [SITS, "trace", "--json", "--pid", str(pid)]
+    if mode == "full":  # capture every exchange, whatever it costs
+        return [*cmd, "--cpu-budget", "0"]
+    return [*cmd, "--cpu-budget", CPU_BUDGET] if CPU_BUDGET else cmd
 
 
 def start_agent(mode: str, pid: int) -> subprocess.Popen[str]:
@@ -110,15 +127,18 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--mode", action="append", choices=["trace", "kernel"],
-                    help="what runs in the 'on' runs: the whole agent (trace, the default) or "
-                         "only its kernel programs and a ring drain (kernel); repeat for both, "
-                         "interleaved in each round")
+    ap.add_argument("--mode", action="append", choices=["trace", "full", "kernel"],
+                    help="what runs in the 'on' runs: the agent as configured (trace, the "
+                         "default: it sheds load over trace.cpu_budget), the agent capturing "
+                         "everything (full: --cpu-budget 0), or only its kernel programs and a "
+                         "ring drain (kernel); repeat to interleave several in each round")
+    ap.add_argument("--cpu-budget", help="the agent's trace.cpu_budget in trace mode")
     ap.add_argument("--paced-ms", type=int, default=0,
                     help="pace each connection (wrk delay() in ms): a steady load below saturation")
     args = ap.parse_args()
     modes = args.mode or ["trace"]
-    global PACE_SCRIPT
+    global PACE_SCRIPT, CPU_BUDGET
+    CPU_BUDGET = args.cpu_budget
     pace_dir = tempfile.mkdtemp()
     port = free_port()
     pairs: list[dict[str, object]] = []
@@ -138,8 +158,9 @@ def main() -> int:
                     stats = stop_agent(agent)
                     pairs.append({"mode": mode, "off": off, "on": on, "agent": stats})
                     print(f"pair {i + 1} [{mode}]: off {off['rps']:.0f} rps p99 "
-                          f"{off['p99_ms']:.2f} ms | on {on['rps']:.0f} rps p99 "
-                          f"{on['p99_ms']:.2f} ms | {stats}", flush=True)
+                          f"{off['p99_ms']:.2f} ms {off['cpu_us_per_req']:.1f} us/req | on "
+                          f"{on['rps']:.0f} rps p99 {on['p99_ms']:.2f} ms "
+                          f"{on['cpu_us_per_req']:.1f} us/req | {stats}", flush=True)
         finally:
             nginx.terminate()
             nginx.wait(timeout=10)
@@ -149,9 +170,13 @@ def main() -> int:
         mine = [p for p in pairs if p["mode"] == mode]
         tput = statistics.median(p["on"]["rps"] / p["off"]["rps"] for p in mine)  # type: ignore[index]
         p99 = statistics.median(p["on"]["p99_ms"] / p["off"]["p99_ms"] for p in mine)  # type: ignore[index]
-        summary[mode] = {"throughput_ratio": round(tput, 3), "p99_ratio": round(p99, 3)}
+        cpu = statistics.median(p["on"]["cpu_us_per_req"] - p["off"]["cpu_us_per_req"]  # type: ignore[index]
+                                for p in mine)
+        summary[mode] = {"throughput_ratio": round(tput, 3), "p99_ratio": round(p99, 3),
+                         "added_cpu_us_per_req": round(cpu, 2)}
         lines.append(f"[{mode}] throughput ratio (traced/untraced, median of {len(mine)} pairs): "
-                     f"{tput:.3f}; p99 latency ratio: {p99:.3f}")
+                     f"{tput:.3f}; p99 latency ratio: {p99:.3f}; CPU added per request: "
+                     f"{cpu:.1f} us")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"

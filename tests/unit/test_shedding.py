@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sits_trace.agent.shedding import MAX_SHIFT, LoadShedder
+from sits_trace.agent.shedding import MAX_SHIFT, LoadShedder, default_cpu_budget
 
 
 class Meter:
@@ -96,3 +96,28 @@ def test_zero_budget_never_sheds_and_shift_is_bounded() -> None:
         m.run(1.0, 2.0)
         on.tick()
     assert on.state.shift == MAX_SHIFT and max(shifts) == MAX_SHIFT
+
+
+def test_a_saturated_reader_scales_its_cpu_by_the_backlog() -> None:
+    # the reader shows 1 core (it cannot use more), but records arrive 4x faster than it
+    # reads them: demand is 4 cores against 0.1 -> 40x -> 6 halvings at once
+    m, shifts = Meter(), []
+    ring = {"read": 0, "waiting": 0}
+    s = LoadShedder(shifts.append, cpu_budget=0.1, cpu_time=lambda: m.cpu, now=lambda: m.t,
+                    ring=lambda: (ring["read"], ring["waiting"]))
+    m.run(1.0, 1.0)
+    ring["read"], ring["waiting"] = 1_000_000, 3_000_000
+    s.tick()
+    assert shifts == [6]
+    # the backlog drains (it shrinks): demand is what was used, under the budget but above
+    # 40% of it, so the shift stays
+    m.run(1.0, 0.05)
+    ring["read"], ring["waiting"] = 1_500_000, 0
+    s.tick()
+    assert shifts == [6]
+
+
+def test_default_budget_is_a_share_of_the_node() -> None:
+    assert default_cpu_budget(2) == 0.1
+    assert default_cpu_budget(8) == 0.4
+    assert default_cpu_budget(128) == 1.0
