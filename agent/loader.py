@@ -179,8 +179,17 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
     try:
         bpf = bcc.BPF(text=text, cflags=bpfsrc.cflags(defines))
     except Exception as exc:
-        raise ProbeError(f"BPF programs failed to compile or load: {exc}. "
-                         "Run `sits-trace doctor` to see what is missing") from exc
+        if "SITS_TASK_STORAGE" in defines:
+            raise ProbeError(f"BPF programs failed to compile or load: {exc}. "
+                             "Run `sits-trace doctor` to see what is missing") from exc
+        # kernels before 5.11 have no task storage for tracing programs: per-thread state
+        # in a hash instead (bpf/http.c), a little more per traced syscall
+        defines["SITS_TASK_STORAGE"] = 0
+        try:
+            bpf = bcc.BPF(text=text, cflags=bpfsrc.cflags(defines))
+        except Exception as exc2:
+            raise ProbeError(f"BPF programs failed to compile or load: {exc2}. "
+                             "Run `sits-trace doctor` to see what is missing") from exc2
     k = Kernel(bpf, report, opts)
     for pid in opts.target_pids:
         k.add_target_pid(pid)

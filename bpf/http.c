@@ -47,11 +47,41 @@ struct ssl_active {
 
 BPF_HASH(accept_inflight, __u64, struct accept_args, 10240);
 BPF_HASH(connect_inflight, __u64, struct connect_args, 10240);
-BPF_HASH(io_inflight, __u64, struct io_args, 10240);
-/* per thread: SSL call in progress (set by tls.c) */
-BPF_HASH(ssl_inflight, __u64, struct ssl_active, 10240);
-/* per thread: last traced fd read from, for memory-BIO TLS (asyncio) */
-BPF_HASH(last_read_fd, __u64, __u64, 10240);
+/* Per thread: the read/write in flight on a traced fd, the SSL call in flight (tls.c) and
+ * the last traced connection read from (memory-BIO TLS, asyncio). */
+struct thread_io {
+    struct io_args io;
+    struct ssl_active ssl;
+    __u64 last_read_conn; /* conn key; 0: none */
+    __u8 io_active;
+    __u8 ssl_active;
+    __u8 _pad[6];
+};
+#ifndef SITS_TASK_STORAGE
+#define SITS_TASK_STORAGE 1
+#endif
+#if SITS_TASK_STORAGE
+/* task-local storage: one pointer chase per lookup, where a hash keyed by thread id cost
+ * three hash operations per traced syscall (update, lookup, delete) */
+BPF_TASK_STORAGE(thread_io, struct thread_io);
+static __always_inline struct thread_io *thread_state(__u64 id, int create)
+{
+    struct task_struct *t = bpf_get_current_task_btf();
+    return thread_io.task_storage_get(t, 0, create ? BPF_LOCAL_STORAGE_GET_F_CREATE : 0);
+}
+#else
+/* kernels without task storage in tracing programs (before 5.11): a hash by thread id */
+BPF_TABLE("lru_hash", __u64, struct thread_io, thread_io, 16384);
+static __always_inline struct thread_io *thread_state(__u64 id, int create)
+{
+    struct thread_io *t = thread_io.lookup(&id);
+    if (t || !create)
+        return t;
+    struct thread_io zero = {};
+    thread_io.update(&id, &zero);
+    return thread_io.lookup(&id);
+}
+#endif
 /* SSL* -> conn key */
 BPF_HASH(ssl_conns, __u64, __u64, SITS_MAX_CONNS);
 
@@ -215,11 +245,15 @@ static __always_inline int io_enter(int fd, __u64 buf, __u32 iovcnt, __u8 dir, _
     struct conn_state *st = conns.lookup(&key);
     if (!st)
         return 0;
+    struct thread_io *t = thread_state(id, 1);
+    if (!t)
+        return 0;
     struct io_args io = {
         .buf = buf, .ts_ns = bpf_ktime_get_ns(), .conn = key, .iovcnt = iovcnt,
         .direction = dir, .source = src,
     };
-    io_inflight.update(&id, &io);
+    t->io = io;
+    t->io_active = 1;
     return 0;
 }
 
@@ -285,11 +319,11 @@ static __always_inline struct data_event *data_event_init(__u64 id, __u64 conn_i
 static __always_inline int io_exit(long ret)
 {
     __u64 id = bpf_get_current_pid_tgid();
-    struct io_args *io = io_inflight.lookup(&id);
-    if (!io)
+    struct thread_io *t = thread_state(id, 0);
+    if (!t || !t->io_active)
         return 0;
-    struct io_args a = *io;
-    io_inflight.delete(&id);
+    struct io_args a = t->io;
+    t->io_active = 0;
     if (ret <= 0)
         return 0;
     struct conn_state *st = conns.lookup(&a.conn);
@@ -299,17 +333,16 @@ static __always_inline int io_exit(long ret)
         st->bytes_in += ret;
     else
         st->bytes_out += ret;
-    struct ssl_active *ssl = ssl_inflight.lookup(&id);
-    if (ssl) {
+    if (t->ssl_active) {
         /* ciphertext under SSL_read/SSL_write: learn SSL* -> conn, emit nothing */
-        __u64 s = ssl->ssl;
+        __u64 s = t->ssl.ssl;
         ssl_conns.update(&s, &a.conn);
         st->ssl = s;
         st->tls = 1;
         return 0;
     }
     if (a.direction == 0)
-        last_read_fd.update(&id, &a.conn);
+        t->last_read_conn = a.conn;
     if (st->tls)
         return 0; /* a memory-BIO TLS connection: tls.c emits the plaintext */
     if (!capture_exchange(id >> 32, st, a.direction))

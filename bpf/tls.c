@@ -8,7 +8,7 @@
  *    traced recv names the fd (the event loop recv()s the record, then SSL_read_ex
  *    decrypts it on the same thread).
  * Either way the connection is marked TLS and its ciphertext is no longer
- * emitted. Costs one hash update per SSL call plus one EV_DATA record.
+ * emitted. Costs a task-storage write per SSL call plus one EV_DATA record.
  * Requires http.c (shares its maps).
  */
 #include "events.h"
@@ -18,27 +18,34 @@ static __always_inline int ssl_enter(struct pt_regs *ctx, __u8 dir, int ex)
     __u64 id = bpf_get_current_pid_tgid();
     if (!traced_tgid(id >> 32))
         return 0;
+    struct thread_io *t = thread_state(id, 1);
+    if (!t)
+        return 0;
     struct ssl_active a = {};
     a.ssl = PT_REGS_PARM1(ctx);
     a.buf = PT_REGS_PARM2(ctx);
     a.out_len = ex ? PT_REGS_PARM4(ctx) : 0;
     a.ts_ns = bpf_ktime_get_ns();
     a.direction = dir;
-    ssl_inflight.update(&id, &a);
+    t->ssl = a;
+    t->ssl_active = 1;
     return 0;
 }
 
 /* the connection an SSL* belongs to, learning it from the last recv if needed */
-static __always_inline struct conn_state *ssl_conn(__u64 id, __u64 ssl, __u64 *key_out)
+static __always_inline struct conn_state *ssl_conn(struct thread_io *t, __u64 ssl,
+                                                  __u64 *key_out)
 {
+    __u64 k = 0;
     __u64 *key = ssl_conns.lookup(&ssl);
-    if (!key) {
-        key = last_read_fd.lookup(&id);
-        if (!key)
+    if (key) {
+        k = *key;
+    } else {
+        k = t->last_read_conn;
+        if (!k)
             return 0;
-        ssl_conns.update(&ssl, key);
+        ssl_conns.update(&ssl, &k);
     }
-    __u64 k = *key;
     struct conn_state *st = conns.lookup(&k);
     if (!st)
         return 0;
@@ -51,11 +58,11 @@ static __always_inline struct conn_state *ssl_conn(__u64 id, __u64 ssl, __u64 *k
 static __always_inline int ssl_exit(struct pt_regs *ctx)
 {
     __u64 id = bpf_get_current_pid_tgid();
-    struct ssl_active *ap = ssl_inflight.lookup(&id);
-    if (!ap)
+    struct thread_io *t = thread_state(id, 0);
+    if (!t || !t->ssl_active)
         return 0;
-    struct ssl_active a = *ap;
-    ssl_inflight.delete(&id);
+    struct ssl_active a = t->ssl;
+    t->ssl_active = 0;
     int rc = (int)PT_REGS_RC(ctx); /* SSL_* return int: the upper half of rax is not theirs */
     __u64 len = 0;
     if (a.out_len) {
@@ -70,7 +77,7 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
     if (len == 0)
         return 0;
     __u64 key = 0;
-    struct conn_state *st = ssl_conn(id, a.ssl, &key);
+    struct conn_state *st = ssl_conn(t, a.ssl, &key);
     if (st && !capture_exchange(id >> 32, st, a.direction))
         return 0;
     struct data_event *ev = data_event_init(id, st ? st->conn_id : 0, st ? st->role : ROLE_UNKNOWN);
