@@ -102,8 +102,26 @@ class CudaTee:
                 : self.keep - len(self.kept)]
         return list(recs)
 
+    def shedding(self) -> tuple[int, int]:
+        """The inner source's (capture shift, exchanges skipped): the tracer's stats read it."""
+        shift, shed = self.inner.shedding()
+        return int(shift), int(shed)
+
     def close(self) -> None:
         self.inner.close()
+
+
+def cet_status(pid: int) -> list[str]:
+    """The x86_Thread_features* lines of /proc/<pid>/status (user shadow stack: 'shstk')."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as exc:
+        return [f"unreadable: {exc}"]
+    found = [ln for ln in lines if ln.startswith("x86_Thread_features")]
+    return found or ["no x86_Thread_features line"]
+
+
+NODE_PREFIXES = ("sits.tcp.", "sits.cpu.runq_")
 
 
 def span_stats(spans: list[dict[str, Any]], input_bytes: int) -> dict[str, Any]:
@@ -118,12 +136,16 @@ def span_stats(spans: list[dict[str, Any]], input_bytes: int) -> dict[str, Any]:
               "sits.gpu.utilization_pct", "sits.gpu.sm_active_pct", "sits.gpu.sm_occupancy_pct",
               "sits.gpu.dram_active_pct", "sits.gpu.pcie_rx_bytes_per_s",
               "sits.gpu.pcie_tx_bytes_per_s", "sits.gpu.process_sm_pct",
-              "sits.gpu.signal_age_ms"):
+              "sits.gpu.signal_age_ms", "sits.cpu.runq_delay_us", "sits.tcp.srtt_us",
+              "sits.tcp.retransmits", "sampling.probability"):
         v = col(k)
         if v:
             out[k] = {"median": statistics.median(v), "p99": pct(v, 99), "n": len(v)}
     h2d = col("sits.cuda.h2d_bytes")
     out["spans_h2d_exact"] = sum(1 for v in h2d if v == input_bytes)
+    for pre in NODE_PREFIXES:
+        out[f"spans_with_{pre}*"] = sum(1 for s in spans
+                                        if any(k.startswith(pre) for k in s["attributes"]))
     return out
 
 
@@ -206,9 +228,11 @@ def main() -> None:
                                     if s.name.startswith("uprobe:") and s.ok)
         summary["uprobe_libraries"] = sorted(agent.kernel.attached_libraries())
         gs = agent.gpu
-        frame = FeatureFrame(sampler=gs.sampler, cuda=gs.cuda,
-                             clock_offset_ns=gs.sampler.offset_ns if gs.sampler else 0)
-        frame.start()
+        frame = agent.features  # the agent's own frame (GPU, CUDA and node signals)
+        if frame is None:
+            frame = FeatureFrame(sampler=gs.sampler, cuda=gs.cuda,
+                                 clock_offset_ns=gs.sampler.offset_ns if gs.sampler else 0)
+            frame.start()
         stop = threading.Event()
         th = threading.Thread(target=agent.run, args=(stop,), daemon=True)
         th.start()
@@ -226,6 +250,8 @@ def main() -> None:
         phase("baseline", a.requests)
         comp, cline = start_proc([str(HERE / "competitor.py"), "--seconds", "120"], "ready")
         cpid = int(cline.split("pid=")[1])
+        summary["cet"] = {"server": cet_status(spid), "competitor": cet_status(cpid),
+                          "scenario": cet_status(os.getpid())}
         time.sleep(1.0)
         phase("contention", a.requests)
         log("contention done")
@@ -244,7 +270,14 @@ def main() -> None:
                                     if p in (spid, cpid)}
         summary["server_pid"], summary["competitor_pid"] = spid, cpid
         summary["agent_stats"] = {k: v for k, v in agent.stats().items()
-                                  if k in ("tracer", "kernel_seen", "kernel_lost")}
+                                  if k in ("tracer", "kernel_seen", "kernel_lost", "probes",
+                                           "node_signals")}
+        src = tee["t"].inner if "t" in tee else None
+        if src is not None:
+            sh = src.shedder
+            summary["shedding"] = {"reader": src.reader, "cpu_budget": sh.budget,
+                                   **dataclasses.asdict(sh.state),
+                                   "kernel_shed": sum(agent.kernel.shed_counts().values())}
         if gs.cuda:
             summary["cuda_signals"] = gs.cuda.stats()
         if rec is not None and gs.sampler is not None:
@@ -266,8 +299,12 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=10)
     srv_spans = add_span_stats(phases, spans, spid, input_bytes)
+    if srv_spans:
+        summary["server_span_attribute_keys"] = sorted(srv_spans[len(srv_spans) // 2]["attributes"])
     summary["phases"] = phases
     summary["input_bytes"] = input_bytes
+    summary["traced_requests"] = sum(ph["client"]["requests"] for n, ph in phases.items()
+                                     if n != "untraced")
     with open(out / "spans.jsonl", "w") as f:
         for name, ph in phases.items():
             lo, hi = ph["t"]
@@ -278,23 +315,47 @@ def main() -> None:
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    print(f"{'phase':<11} {'n':>5} {'cli_p50':>8} {'cli_p99':>8} {'span_p50':>8} {'span_p99':>8} "
-          f"{'h2d_B':>10} {'sync_ms':>8} {'launch':>6} {'util%':>6} {'sm%':>6} {'rxGB/s':>7}")
+    print(f"{'phase':<11} {'req':>5} {'n':>5} {'cli_p50':>8} {'cli_p99':>8} {'span_p50':>8} "
+          f"{'span_p99':>8} {'h2d_B':>10} {'copy_ms':>8} {'sync_ms':>8} {'launch':>6} "
+          f"{'util%':>6} {'sm%':>6} {'rxGB/s':>7} {'runq_us':>7} {'tcp':>5} {'runq':>5}")
     for name, ph in summary["phases"].items():
         c, s = ph["client"], ph.get("spans", {})
 
         def med(k: str, s: dict[str, Any] = s) -> float:
             return float(s.get(k, {}).get("median", float("nan")))
 
-        print(f"{name:<11} {s.get('spans', 0):>5} {c['p50_ms']:>8.2f} {c['p99_ms']:>8.2f} "
-              f"{s.get('p50_ms', float('nan')):>8.2f} {s.get('p99_ms', float('nan')):>8.2f} "
-              f"{med('sits.cuda.h2d_bytes'):>10.0f} {med('sits.cuda.sync_wait_ms'):>8.3f} "
+        print(f"{name:<11} {c['requests']:>5} {s.get('spans', 0):>5} {c['p50_ms']:>8.2f} "
+              f"{c['p99_ms']:>8.2f} {s.get('p50_ms', float('nan')):>8.2f} "
+              f"{s.get('p99_ms', float('nan')):>8.2f} {med('sits.cuda.h2d_bytes'):>10.0f} "
+              f"{med('sits.cuda.copy_call_ms'):>8.3f} {med('sits.cuda.sync_wait_ms'):>8.3f} "
               f"{med('sits.cuda.kernel_launches'):>6.0f} {med('sits.gpu.utilization_pct'):>6.1f} "
               f"{med('sits.gpu.sm_active_pct'):>6.1f} "
-              f"{med('sits.gpu.pcie_rx_bytes_per_s') / 1e9:>7.2f}")
+              f"{med('sits.gpu.pcie_rx_bytes_per_s') / 1e9:>7.2f} "
+              f"{med('sits.cpu.runq_delay_us'):>7.1f} {s.get('spans_with_sits.tcp.*', 0):>5} "
+              f"{s.get('spans_with_sits.cpu.runq_*', 0):>5}")
     print("competitor:", summary.get("competitor_self"))
     print("kernel totals:", json.dumps(summary.get("kernel_totals")))
     print("uprobes ok:", summary.get("uprobes_ok"), "failed:", summary.get("uprobes_failed"))
+    print_checks(summary)
+
+
+def print_checks(summary: dict[str, Any]) -> None:
+    """Per-request kernel totals, losses, shedding, node-signal attributes, CET state."""
+    n = summary.get("traced_requests", 0)
+    srv = (summary.get("kernel_totals") or {}).get(str(summary.get("server_pid")), {})
+    if n and srv:
+        print(f"server per traced request ({n}): " + ", ".join(
+            f"{k}={srv[k] / n}" for k in ("launches", "h2d_copies", "h2d_bytes", "d2h_copies",
+                                           "d2h_bytes") if k in srv))
+    st = summary.get("agent_stats", {})
+    t = st.get("tracer", {})
+    print("agent: records", t.get("records"), "spans", t.get("spans"),
+          "decode_errors", t.get("decode_errors"), "exchanges_shed", t.get("exchanges_shed"),
+          "capture_shift", t.get("capture_shift"), "kernel_lost", st.get("kernel_lost"))
+    print("shedding:", summary.get("shedding"))
+    print("failed probes:", [p.get("name") for p in st.get("probes", [])])
+    print("server span attribute keys:", summary.get("server_span_attribute_keys"))
+    print("server pid", summary.get("server_pid"), "cet:", summary.get("cet"))
 
 
 if __name__ == "__main__":
