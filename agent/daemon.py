@@ -93,7 +93,7 @@ class Agent:
         self._rescans = Rescans(self._check_libraries)
         self.tracer = Tracer(
             source, self.sink, builder, procfs=self.procfs, port=t.port or None,
-            on_process_exec=self._on_exec, on_process_exit=self.kernel.forget_pid,
+            on_process_exec=self._on_exec, on_process_exit=self._on_process_exit,
             idle_ns=int(t.idle_timeout_s * 1e9),
         )
         self.node = NodeSignals.from_kernel(self.kernel, proc_root=self.procfs.root)
@@ -122,6 +122,12 @@ class Agent:
                              keep_s=self.cfg.signals.features_keep_s, clock_offset_ns=offset)
         frame.start()
         return frame
+
+    def _on_process_exit(self, pid: int, fds: list[int]) -> None:
+        if self.kernel is not None and fds:
+            self.kernel.forget_pid(pid, fds)
+        if self.gpu is not None:
+            self.gpu.forget(pid)  # its CUDA totals; a reused pid starts from zero
 
     def _on_exec(self, pid: int) -> None:
         if self._rescans is not None and (self.cfg.trace.tls or self._gpu_cfg.cuda):

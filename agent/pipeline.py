@@ -233,8 +233,8 @@ class Tracer:
         self._exe.pop(ev.pid, None)
         self._listeners = {k: v for k, v in self._listeners.items() if k[0] != ev.pid}
         self.stats.conns_active = len(self._conns)
-        if self._on_exit is not None and fds:
-            self._on_exit(ev.pid, fds)
+        if self._on_exit is not None:
+            self._on_exit(ev.pid, fds)  # fds may be empty: a process with per-pid state only
 
     # ---- data ----
 
