@@ -193,11 +193,14 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     (d / "fake.c").write_text(FAKE_LIBCUDA)
     (d / "prog.c").write_text(PROGRAM)
     lib = d / "libcuda.so.1"
-    subprocess.run(["gcc", "-O1", "-fcf-protection=none", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
                     str(d / "fake.c")], check=True)
     exe = d / "prog"
-    subprocess.run(["gcc", "-O1", "-fcf-protection=none", "-o", str(exe), str(d / "prog.c"), str(lib),
-                    f"-Wl,-rpath,{d}"], check=True)
+    # DT_RPATH, not DT_RUNPATH: it wins over LD_LIBRARY_PATH, which on a GPU machine names the
+    # real driver's folder (the program then loaded the real libcuda and crashed on its fake
+    # handles: seen on the H200, where the linker writes RUNPATH by default)
+    subprocess.run(["gcc", "-O1", "-o", str(exe), str(d / "prog.c"), str(lib),
+                    f"-Wl,-rpath,{d}", "-Wl,--disable-new-dtags"], check=True)
     return Built(lib, exe)
 
 
