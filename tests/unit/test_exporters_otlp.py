@@ -269,7 +269,11 @@ def test_collector_outage_under_load(protocol: str, proc_root: str) -> None:
             assert exp.force_flush(10)
             st = exp.stats()
             assert st.exported + sum(st.dropped.values()) + st.queue_depth == offered + 50
-            assert st.exported == 100 + len(r2.spans)
+            # a batch whose request timed out (otlp_timeout_s) counts as export_failed but
+            # may still have reached the collector (at-least-once): seen once on a loaded
+            # machine, 2306 counted exported against more received
+            failed = st.dropped.get("export_failed", 0)
+            assert st.exported <= 100 + len(r2.spans) <= st.exported + failed
         finally:
             r2.stop()
     finally:
@@ -304,7 +308,8 @@ def test_slow_collector_never_stalls_the_caller(proc_root: str) -> None:
         assert exp.stats().dropped["queue_full"] > 0
         assert exp.force_flush(15)
         st = exp.stats()
-        assert st.exported == len(r.spans) > 0
+        # as above: a timed-out request may have arrived after all
+        assert 0 < st.exported <= len(r.spans) <= st.exported + st.dropped.get("export_failed", 0)
         assert st.exported + st.dropped["queue_full"] == 5000
     finally:
         exp.shutdown()
