@@ -62,7 +62,7 @@ class BccUnavailable(ProbeError):
 
 def import_bcc() -> Any:
     try:
-        import bcc  # noqa: PLC0415
+        import bcc
     except ImportError as exc:
         raise BccUnavailable(
             "the bcc Python module is missing: run `make setup` (installs Debian's python3-bpfcc "

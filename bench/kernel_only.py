@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from sits_trace.agent.bpfmaps import _SYS_BPF, _BPF_OBJ_GET_INFO_BY_FD, _InfoAttr, _ProgInfo
+from sits_trace.agent.bpfmaps import _BPF_OBJ_GET_INFO_BY_FD, _SYS_BPF, _InfoAttr, _ProgInfo
 from sits_trace.agent.loader import LoadOptions, RingSource, load
 from sits_trace.agent.procfs import ProcFS
 
