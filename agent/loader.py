@@ -211,6 +211,7 @@ class RingSource:
         self._bpf = kernel.bpf
         self._mmap: MmapRing | None = None
         self._kernel = kernel
+        self._read_bytes = 0  # the BCC reader's progress, for the shedder
         table = kernel.bpf[map_name]
         if ringbuf.supported() and os.environ.get("SITS_RING_READER", "mmap") != "bcc":
             self._mmap = MmapRing(table.map_fd, kernel.opts.ringbuf_pages * mmap.PAGESIZE)
@@ -232,7 +233,7 @@ class RingSource:
 
     def _ring_progress(self) -> tuple[int, int]:
         m = self._mmap
-        return (m.read_bytes(), m.pending_bytes()) if m is not None else (0, 0)
+        return (m.read_bytes(), m.pending_bytes()) if m is not None else (self._read_bytes, 0)
 
     @property
     def reader(self) -> str:
@@ -250,6 +251,7 @@ class RingSource:
         self._bpf.ring_buffer_consume()
         out = self._batch[:]
         self._batch.clear()
+        self._read_bytes += sum(map(len, out))
         return out
 
     def close(self) -> None:

@@ -16,6 +16,9 @@ parsing, span building, exporters) and at records lost in the kernel:
   how much faster records arrived than it read them (a saturated reader shows 1 core
   however large the flood); records lost: at least one more;
 - under 40% of the budget: shift - 1 (twice as many: still under 80% of the budget).
+It raises the shift only for an interval in which the agent read at least `min_bytes` from
+the ring: CPU spent while few records arrive (start-up, an exporter retrying, the GPU
+sampler) is not the exchanges', and capturing fewer of them would not give it back.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class LoadShedder:
     def __init__(self, set_shift: Callable[[int], None], *, cpu_budget: float,
                  lost: Callable[[], int] = lambda: 0,
                  ring: Callable[[], tuple[int, int]] = lambda: (0, 0), interval_s: float = 1.0,
+                 min_bytes: int = 64 * 1024,
                  cpu_time: Callable[[], float] = time.process_time,
                  now: Callable[[], float] = time.monotonic) -> None:
         """`cpu_budget` in cores (0.5: half a core); 0 never sheds."""
@@ -55,6 +59,7 @@ class LoadShedder:
         self.budget = cpu_budget
         self._lost = lost
         self._ring = ring  # (bytes read so far, bytes waiting), from the ring reader
+        self._min_bytes = min_bytes
         self._interval = interval_s
         self._cpu = cpu_time
         self._now = now
@@ -86,7 +91,8 @@ class LoadShedder:
         if self.budget <= 0:
             return
         shift = st.shift
-        if (demand > self.budget or new_loss) and shift < MAX_SHIFT:
+        busy = arrived >= self._min_bytes
+        if ((demand > self.budget and busy) or new_loss) and shift < MAX_SHIFT:
             up = math.ceil(math.log2(demand / self.budget)) if demand > self.budget else 0
             shift = min(MAX_SHIFT, shift + max(up, 1) + (1 if new_loss and up else 0))
             st.raised += 1

@@ -12,15 +12,29 @@ class Meter:
         self.t = 0.0
         self.cpu = 0.0
         self.lost = 0
+        self.read = 0
 
-    def run(self, seconds: float, cores: float) -> None:
+    def run(self, seconds: float, cores: float, read_per_s: int = 1 << 20) -> None:
         self.t += seconds
         self.cpu += seconds * cores
+        self.read += int(seconds * read_per_s)  # records read from the ring meanwhile
 
 
 def shedder(m: Meter, budget: float, shifts: list[int]) -> LoadShedder:
     return LoadShedder(shifts.append, cpu_budget=budget, lost=lambda: m.lost,
-                       cpu_time=lambda: m.cpu, now=lambda: m.t)
+                       ring=lambda: (m.read, 0), cpu_time=lambda: m.cpu, now=lambda: m.t)
+
+
+def test_cpu_without_records_is_not_shed() -> None:
+    # start-up or an exporter retrying: over budget, but the ring is nearly idle
+    m, shifts = Meter(), []
+    s = shedder(m, 0.1, shifts)
+    m.run(1.0, 0.9, read_per_s=20_000)
+    s.tick()
+    assert shifts == [] and s.state.cpu_cores == 0.9
+    m.run(1.0, 0.9)  # the same CPU while records stream in: shed
+    s.tick()
+    assert shifts == [4]
 
 
 def test_over_budget_sheds_in_proportion() -> None:
