@@ -41,13 +41,9 @@ def main() -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print("tracing (kernel only)", file=sys.stderr, flush=True)
     n = size = 0
-    dirs: dict[int, int] = {}
     while not stop.is_set():
         recs = src.read(50)
         n += len(recs)
-        for r in recs:
-            if len(r) > 56 and r[0] == 3:
-                dirs[r[56]] = dirs.get(r[56], 0) + 1
         size += sum(map(len, recs))
     lost = sum(kernel.counters("lost").values())
     if Path("/proc/sys/kernel/bpf_stats_enabled").read_text().strip() == "1":
@@ -59,7 +55,7 @@ def main() -> int:
                 print(f"  {name.decode():40s} runs={runs:9d} avg={t / runs:7.0f} ns total={t / 1e6:8.1f} ms",
                       file=sys.stderr)
         print(f"  all programs: {total / 1e6:.1f} ms", file=sys.stderr)
-    print(f"records={n} bytes={size} lost_in_kernel={lost} reader={src.reader} data_by_direction={dirs}",
+    print(f"records={n} bytes={size} lost_in_kernel={lost} reader={src.reader}",
           file=sys.stderr, flush=True)
     return 0
 

@@ -7,7 +7,7 @@ every span as JSON to /dev/null (`sits-trace trace --json`), so span assembly
 and serialisation are in the cost. Its stats line says whether events were lost.
 
 Usage: bench/overhead.py [--pairs 5] [--seconds 5] [--connections 50] [--threads 1] [--paced-ms N]
-                         [--mode trace] [--mode kernel]
+                         [--mode trace] [--mode full] [--mode kernel] [--bpf-stats]
 Writes a JSON summary to bench/results/overhead-<time>.json and prints it.
 """
 
@@ -114,10 +114,22 @@ def start_agent(mode: str, pid: int) -> subprocess.Popen[str]:
     raise SystemExit("bench: agent did not start")
 
 
-def stop_agent(p: subprocess.Popen[str]) -> str:
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop_agent(p: subprocess.Popen[str]) -> list[str]:
+    """SIGINT, then the agent's stderr lines (its stats line last)."""
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
-    return err.strip().splitlines()[-1] if err.strip() else ""
+    return err.strip().splitlines()
+
+
+def agent_us_per_span(cpu_s: float, stats: str) -> float | None:
+    m = re.search(r"\bspans=(\d+)", stats)
+    return cpu_s / int(m.group(1)) * 1e6 if m and int(m.group(1)) else None
 
 
 def main() -> int:
@@ -133,10 +145,16 @@ def main() -> int:
                          "everything (full: --cpu-budget 0), or only its kernel programs and a "
                          "ring drain (kernel); repeat to interleave several in each round")
     ap.add_argument("--cpu-budget", help="the agent's trace.cpu_budget in trace mode")
+    ap.add_argument("--bpf-stats", action="store_true",
+                    help="kernel mode: count BPF program run time (sysctl "
+                         "kernel.bpf_stats_enabled=1 while it runs) and print it per program")
     ap.add_argument("--paced-ms", type=int, default=0,
                     help="pace each connection (wrk delay() in ms): a steady load below saturation")
     args = ap.parse_args()
     modes = args.mode or ["trace"]
+    stats_knob = Path("/proc/sys/kernel/bpf_stats_enabled")
+    if args.bpf_stats:
+        stats_knob.write_text("1")
     global PACE_SCRIPT, CPU_BUDGET
     CPU_BUDGET = args.cpu_budget
     pace_dir = tempfile.mkdtemp()
@@ -154,16 +172,29 @@ def main() -> int:
                     off = run_wrk(port, args.seconds, args.connections, args.threads)
                     agent = start_agent(mode, nginx.pid)
                     time.sleep(0.5)
+                    c0 = cpu_seconds(agent.pid)
                     on = run_wrk(port, args.seconds, args.connections, args.threads)
-                    stats = stop_agent(agent)
+                    time.sleep(0.5)  # the agent finishes what the run left in the ring
+                    agent_cpu = cpu_seconds(agent.pid) - c0
+                    lines = stop_agent(agent)
+                    stats = lines[-1] if lines else ""
+                    if args.bpf_stats and mode == "kernel":
+                        print("\n".join(lines[:-1]), flush=True)  # per-program run time
+                    per_span = agent_us_per_span(agent_cpu, stats)
+                    on["agent_cpu_s"] = agent_cpu
+                    if per_span is not None:
+                        on["agent_us_per_span"] = per_span
                     pairs.append({"mode": mode, "off": off, "on": on, "agent": stats})
-                    print(f"pair {i + 1} [{mode}]: off {off['rps']:.0f} rps p99 "
+                    spent = f" agent {per_span:.0f} us/span |" if per_span is not None else ""
+                    print(f"pair {i + 1} [{mode}]:{spent} off {off['rps']:.0f} rps p99 "
                           f"{off['p99_ms']:.2f} ms {off['cpu_us_per_req']:.1f} us/req | on "
                           f"{on['rps']:.0f} rps p99 {on['p99_ms']:.2f} ms "
                           f"{on['cpu_us_per_req']:.1f} us/req | {stats}", flush=True)
         finally:
             nginx.terminate()
             nginx.wait(timeout=10)
+            if args.bpf_stats:
+                stats_knob.write_text("0")
     summary: dict[str, object] = {"args": vars(args), "pairs": pairs}
     lines = []
     for mode in modes:
@@ -172,11 +203,15 @@ def main() -> int:
         p99 = statistics.median(p["on"]["p99_ms"] / p["off"]["p99_ms"] for p in mine)  # type: ignore[index]
         cpu = statistics.median(p["on"]["cpu_us_per_req"] - p["off"]["cpu_us_per_req"]  # type: ignore[index]
                                 for p in mine)
+        spans = [p["on"]["agent_us_per_span"] for p in mine if "agent_us_per_span" in p["on"]]  # type: ignore[index,operator]
         summary[mode] = {"throughput_ratio": round(tput, 3), "p99_ratio": round(p99, 3),
                          "added_cpu_us_per_req": round(cpu, 2)}
+        if spans:
+            summary[mode]["agent_us_per_span"] = round(statistics.median(spans), 1)  # type: ignore[index]
         lines.append(f"[{mode}] throughput ratio (traced/untraced, median of {len(mine)} pairs): "
                      f"{tput:.3f}; p99 latency ratio: {p99:.3f}; CPU added per request: "
-                     f"{cpu:.1f} us")
+                     f"{cpu:.1f} us" + (f"; agent CPU per span: {statistics.median(spans):.0f} us"
+                                         if spans else ""))
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
