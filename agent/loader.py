@@ -176,20 +176,19 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
         **opts.extra_defines,
     }
     text = bpfsrc.program_text(files)
-    try:
-        bpf = bcc.BPF(text=text, cflags=bpfsrc.cflags(defines))
-    except Exception as exc:
-        if "SITS_TASK_STORAGE" in defines:
-            raise ProbeError(f"BPF programs failed to compile or load: {exc}. "
-                             "Run `sits-trace doctor` to see what is missing") from exc
+    tries = [defines]
+    if "SITS_TASK_STORAGE" not in defines:
         # kernels before 5.11 have no task storage for tracing programs: per-thread state
         # in a hash instead (bpf/http.c), a little more per traced syscall
-        defines["SITS_TASK_STORAGE"] = 0
+        tries.append({**defines, "SITS_TASK_STORAGE": 0})
+    for i, d in enumerate(tries):
         try:
-            bpf = bcc.BPF(text=text, cflags=bpfsrc.cflags(defines))
-        except Exception as exc2:
-            raise ProbeError(f"BPF programs failed to compile or load: {exc2}. "
-                             "Run `sits-trace doctor` to see what is missing") from exc2
+            bpf = bcc.BPF(text=text, cflags=bpfsrc.cflags(d))
+            break
+        except Exception as exc:
+            if i == len(tries) - 1:
+                raise ProbeError(f"BPF programs failed to compile or load: {exc}. "
+                                 "Run `sits-trace doctor` to see what is missing") from exc
     k = Kernel(bpf, report, opts)
     for pid in opts.target_pids:
         k.add_target_pid(pid)

@@ -98,10 +98,14 @@ class Tracer:
         if now >= self._next_sweep:
             self.sweep(now)
             self._next_sweep = now + 1_000_000_000
-            shedding = getattr(self.source, "shedding", None)
-            if shedding is not None:
-                self.stats.capture_shift, self.stats.exchanges_shed = shedding()
+            self._read_shedding()
         return len(recs)
+
+    def _read_shedding(self) -> None:
+        """The kernel's load-shedding state into the stats (sources that shed have it)."""
+        shedding = getattr(self.source, "shedding", None)
+        if shedding is not None:
+            self.stats.capture_shift, self.stats.exchanges_shed = shedding()
 
     def process(self, records: Iterable[bytes]) -> None:
         handlers = self.handlers
@@ -131,9 +135,7 @@ class Tracer:
 
     def close_all(self) -> None:
         """Graceful stop: every pending exchange is emitted."""
-        shedding = getattr(self.source, "shedding", None)
-        if shedding is not None:
-            self.stats.capture_shift, self.stats.exchanges_shed = shedding()
+        self._read_shedding()
         now = self._now()
         for c in list(self._conns.values()) + list(self._tls_streams.values()):
             c.parser.close(now)

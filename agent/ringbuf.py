@@ -48,7 +48,6 @@ class MmapRing:
         if size <= 0 or size & (size - 1):
             raise ValueError(f"ring size must be a power of two, got {size}")
         page = mmap.PAGESIZE
-        self._size = size
         self._mask = size - 1
         self._max_batch = max_batch
         # with this much waiting, read at once instead of waiting out the interval
