@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from sits_trace.agent.capture.probes import ProbeError
 
-from .config import ConfigError, load as load_config
+from .config import ConfigError
+from .config import load as load_config
 from .model import Span
-from .probes import ProbeError
 
 app = typer.Typer(
     add_completion=False,
@@ -99,8 +100,9 @@ def trace(
     if replay is not None:
         _replay(replay, sink, cfg.trace.port or None)
         return
+    from sits_trace.agent.capture.loader import Recorder, RingSource, TeeSource  # noqa: PLC0415
+
     from .daemon import Agent, format_stats_lines  # noqa: PLC0415
-    from .loader import Recorder, RingSource, TeeSource  # noqa: PLC0415
 
     def source(kernel: Any) -> Any:
         ring = RingSource(kernel)
@@ -122,9 +124,9 @@ def trace(
 
 
 def _replay(path: Path, sink: Any, port: int | None) -> None:
-    from .loader import RecordedSource  # noqa: PLC0415
-    from .pipeline import Tracer  # noqa: PLC0415
-    from .spans import SpanBuilder  # noqa: PLC0415
+    from sits_trace.agent.capture.loader import RecordedSource  # noqa: PLC0415
+    from sits_trace.agent.tracing.pipeline import Tracer  # noqa: PLC0415
+    from sits_trace.agent.tracing.spans import SpanBuilder  # noqa: PLC0415
 
     try:
         src = RecordedSource(path)
@@ -149,8 +151,9 @@ def run(
         cfg = load_config(config)
     except ConfigError as exc:
         _fail(str(exc))
-    from .daemon import Agent, format_stats_lines  # noqa: PLC0415
     from sits_trace.exporters import build_exporters  # noqa: PLC0415
+
+    from .daemon import Agent, format_stats_lines  # noqa: PLC0415
 
     try:
         exporters = build_exporters(cfg)

@@ -13,10 +13,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .shedding import default_cpu_budget
-
-
 STATS_PATH = Path(os.environ.get("SITS_STATS_PATH", "/run/sits-trace/stats.json"))
+
+
+def default_cpu_budget(cpus: int | None = None) -> float:
+    """5% of the node's CPUs, at least 0.1 and at most 1 core: 0.1 on a 2-core VM, 1 core
+    on a 20-core-or-larger GPU node."""
+    n = cpus if cpus is not None else (os.cpu_count() or 1)
+    return round(min(1.0, max(0.1, 0.05 * n)), 3)
 
 
 class ConfigError(ValueError):
@@ -33,7 +37,7 @@ class TraceConfig:
     poll_ms: int = 20
     idle_timeout_s: float = 30.0
     # cores the agent may use; above it the kernel captures one exchange in 2**n (and counts
-    # the rest) until it fits: see agent/shedding.py. 0: capture everything, whatever it costs
+    # the rest) until it fits: see agent/capture/shedding.py. 0: capture everything, whatever it costs
     cpu_budget: float = field(default_factory=default_cpu_budget)  # 5% of CPUs, 0.1..1
     ssl_libraries: list[str] = field(default_factory=list)
 

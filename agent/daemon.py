@@ -17,17 +17,20 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from . import nodesignals
+from sits_trace.agent.capture.events import Kind
+from sits_trace.agent.capture.loader import EventSource, Kernel, LoadOptions, RingSource, load
+from sits_trace.agent.capture.probes import TLS_UPROBES, mapped_libraries, tracefs_root
+from sits_trace.agent.model import MetricSample
+from sits_trace.agent.signals import node as nodesignals
+from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_options
+from sits_trace.agent.signals.node import NodeSignalConfig, NodeSignals
+from sits_trace.agent.tracing.pipeline import Rescans, SpanSink, Tracer
+from sits_trace.agent.tracing.procfs import ProcFS
+from sits_trace.agent.tracing.spans import SpanBuilder
+from sits_trace.analyzers.features import FeatureFrame
+from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samples, metric_samples
+
 from .config import STATS_PATH, Config
-from .events import Kind
-from .features import FeatureFrame, MetricSample, cuda_counter_samples, metric_samples
-from .gpusignals import GpuSignalConfig, GpuSignals, cuda_options
-from .loader import EventSource, Kernel, LoadOptions, RingSource, load
-from .nodesignals import NodeSignalConfig, NodeSignals
-from .pipeline import Rescans, SpanSink, Tracer
-from .probes import TLS_UPROBES, mapped_libraries, tracefs_root
-from .procfs import ProcFS
-from .spans import SpanBuilder
 
 
 def clock_offset_ns() -> int:
@@ -203,7 +206,7 @@ class Agent:
         if self.gpu is not None and self.gpu.cuda is not None:
             out.extend(cuda_counter_samples(self.gpu.cuda.totals()))
         if self.node is not None:
-            out.extend(nodesignals.counter_samples(self.node))
+            out.extend(counter_samples(self.node))
         return out
 
     def _maybe_write_stats(self, force: bool = False) -> None:

@@ -11,31 +11,20 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .probes import (
+from sits_trace.agent.capture.probes import (
     HTTP_TRACEPOINTS,
     TLS_UPROBES,
     Tracepoint,
     elf_has_symbol,
     find_libraries,
     tracefs_root,
+    tracepoint_checks,
 )
+from sits_trace.agent.model import Check
 
 SETUP_HINT = "run `make setup` (scripts/setup.sh) as root"
-
-
-@dataclass(slots=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    core: bool = False
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def _privileges() -> Check:
@@ -89,26 +78,6 @@ def _headers() -> Check:
                  f"install linux-headers-$(uname -r) or {SETUP_HINT} (links Debian's)", core=True)
 
 
-def tracepoint_checks(tps: Sequence[Tracepoint], root: Path | None) -> list[Check]:
-    """One row per probe group: how many of its tracepoints exist, naming the missing."""
-    groups: dict[str, list[Tracepoint]] = {}
-    for tp in tps:
-        groups.setdefault(tp.group, []).append(tp)
-    out = []
-    for group, members in groups.items():
-        missing = [tp for tp in members
-                   if root is None or not (root / "events" / tp.category / tp.event / "id").exists()]
-        detail = f"{len(members) - len(missing)}/{len(members)} present"
-        if missing:
-            detail += "; missing " + ", ".join(tp.name for tp in missing)
-        fix = "needs CONFIG_FTRACE_SYSCALLS" if any(tp.category == "syscalls" for tp in missing) \
-            else "optional: this kernel lacks them; the agent runs without"
-        # a group fails the agent only when a required tracepoint of it is missing
-        out.append(Check(f"tracepoints ({group})", not missing, detail, fix,
-                         core=any(tp.required for tp in missing)))
-    return out
-
-
 def _libssl() -> list[Check]:
     libs = find_libraries("libssl")
     if not libs:
@@ -159,13 +128,13 @@ EXTRA_CHECKS: list[Callable[[], list[Check]]] = []  # other stages add theirs (C
 
 
 def _cuda_checks() -> list[Check]:
-    from .cuda import doctor_checks  # noqa: PLC0415
+    from sits_trace.agent.signals.cuda import doctor_checks  # noqa: PLC0415
 
     return doctor_checks()
 
 
 def _node_checks() -> list[Check]:
-    from .nodesignals import doctor_checks  # noqa: PLC0415
+    from sits_trace.agent.signals.node import doctor_checks  # noqa: PLC0415
 
     return doctor_checks()
 

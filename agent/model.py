@@ -11,8 +11,9 @@ clock offset passed in.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Union
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple, Union
 
 AttrValue = Union[str, bool, int, float]
 
@@ -141,3 +142,33 @@ class Span:
             "attributes": dict(self.attributes),
             "status": {"code": self.status_code},
         }
+
+
+# ---- node signals and health rows ----
+
+# a feature-frame row: (signal, entity) -> value; entity "gpu<i>", "pid<n>", "node", ...
+Row = dict[tuple[str, str], float]
+# a provider's values: "signal" (the node's) or ("signal", entity); its name prefixes the signal
+Provider = Callable[[], Mapping[str | tuple[str, str], float]]
+
+
+class MetricSample(NamedTuple):
+    """One metric value as an exporter shows it: a name, labels and a value."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+@dataclass(slots=True)
+class Check:
+    """One row of `sits-trace doctor`: what was checked, whether it works, and the fix."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    core: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)

@@ -15,9 +15,9 @@ import sys
 import threading
 from pathlib import Path
 
-from sits_trace.agent.bpfmaps import _BPF_OBJ_GET_INFO_BY_FD, _SYS_BPF, _InfoAttr, _ProgInfo
-from sits_trace.agent.loader import LoadOptions, RingSource, load
-from sits_trace.agent.procfs import ProcFS
+from sits_trace.agent.capture.bpfmaps import _BPF_OBJ_GET_INFO_BY_FD, _SYS_BPF, _InfoAttr, _ProgInfo
+from sits_trace.agent.capture.loader import LoadOptions, RingSource, load
+from sits_trace.agent.tracing.procfs import ProcFS
 
 
 def prog_run_stats(fd: int) -> tuple[int, int]:

@@ -13,8 +13,8 @@ import argparse
 import time
 from collections.abc import Callable
 
-from sits_trace.agent.http1 import HttpConnParser
 from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role
+from sits_trace.agent.tracing.http1 import HttpConnParser
 
 REQ = (
     b"GET /index.html HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nUser-Agent: curl/7.88.1\r\n"

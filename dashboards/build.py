@@ -114,7 +114,7 @@ def slo_overview() -> list[tuple[str, list[dict[str, Any]]]]:
     ]
 
 
-# Node signals (agent/features.py names: DCGM's for GPU state, sits_* for the rest). They sit in
+# Node signals (analyzers/features.py, exporters/node_metrics.py names: DCGM's for GPU state, sits_* for the rest). They sit in
 # the SLO overview so a P99 jump shows beside what the GPU, PCIe link, CUDA calls, run queue and
 # TCP stack did at the same time. GPU and CUDA panels are empty on a node without them.
 GPU_LEGEND = "gpu{{gpu}}"

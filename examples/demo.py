@@ -20,11 +20,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-
+from sits_trace.agent.capture.probes import ProbeError
 from sits_trace.agent.config import Config
 from sits_trace.agent.daemon import Agent, format_stats_lines
 from sits_trace.agent.model import Span
-from sits_trace.agent.probes import ProbeError
 
 HERE = Path(__file__).resolve().parent
 

@@ -45,7 +45,7 @@ def path_template(path: str) -> str:
 
 def span_weight(span: Span) -> int:
     """How many requests the span stands for: 2**n when the kernel shed load and captured
-    one exchange in 2**n (agent/shedding.py), so RED rates stay true; 1 otherwise."""
+    one exchange in 2**n (agent/capture/shedding.py), so RED rates stay true; 1 otherwise."""
     p = span.attributes.get("sampling.probability")
     if isinstance(p, float) and 0 < p < 1:
         return max(1, round(1 / p))

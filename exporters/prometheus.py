@@ -6,7 +6,7 @@ agent's own health (BPF events seen/lost, connections, parser resyncs, spans
 exported/dropped and queue depth per exporter, CPU and RSS) is read from
 ``agent.stats()``, the exporters' ``stats()`` and the process at each scrape.
 Node signals come from ``agent.metric_samples()`` at each scrape, under the names the
-agent's feature frame gives them (``agent/features.py``: DCGM field names for GPU state,
+agent's feature frame gives them (``analyzers/features.py, exporters/node_metrics.py``: DCGM field names for GPU state,
 ``sits_<signal>`` for the rest); a name ending in ``_total`` is a counter, the rest gauges.
 """
 

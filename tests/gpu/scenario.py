@@ -175,13 +175,14 @@ def main() -> None:
     faulthandler.dump_traceback_later(a.deadline_s, exit=True)  # a hang shows every thread
     import_package()
     from sits_trace.agent import config
-    from sits_trace.agent.cuda import doctor_checks
+    from sits_trace.agent.capture.loader import Recorder, RingSource
     from sits_trace.agent.daemon import Agent
-    from sits_trace.agent.features import FeatureFrame, metric_samples
-    from sits_trace.agent.gpusignals import GpuSignalConfig
-    from sits_trace.agent.loader import Recorder, RingSource
     from sits_trace.agent.model import Span
-    from sits_trace.agent.nvml import RecordingNvml, load_nvml
+    from sits_trace.agent.signals.cuda import doctor_checks
+    from sits_trace.agent.signals.gpu import GpuSignalConfig
+    from sits_trace.agent.signals.nvml import RecordingNvml, load_nvml
+    from sits_trace.analyzers.features import FeatureFrame
+    from sits_trace.exporters.node_metrics import metric_samples
 
     summary: dict[str, Any] = {"uname": os.uname().release, "python": sys.version.split()[0]}
     try:

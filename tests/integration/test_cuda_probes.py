@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from sits_trace.agent import bpfsrc
-from sits_trace.agent.cuda import (
+from sits_trace.agent.capture import bpfsrc
+from sits_trace.agent.capture.events import Kind
+from sits_trace.agent.signals.cuda import (
     CUDA_PROGRAM,
     BccCudaMaps,
     CopyDir,
@@ -31,7 +32,6 @@ from sits_trace.agent.cuda import (
     CudaSlotKeyC,
     decode_copy,
 )
-from sits_trace.agent.events import Kind
 
 pytestmark = pytest.mark.bpf
 
@@ -209,7 +209,7 @@ class _Kernel:
 
     def __init__(self, pid_filter: int) -> None:
         from bcc import BPF
-        from sits_trace.agent.probes import ProbeReport
+        from sits_trace.agent.capture.probes import ProbeReport
 
         text = bpfsrc.program_text([CUDA_PROGRAM])
         self.bpf = BPF(text=text, cflags=bpfsrc.cflags(
@@ -218,7 +218,7 @@ class _Kernel:
         self.report = ProbeReport()
 
     def attach_uprobes(self, library: str, probes: object) -> list[object]:
-        from sits_trace.agent.loader import Kernel, LoadOptions
+        from sits_trace.agent.capture.loader import Kernel, LoadOptions
 
         k = Kernel(self.bpf, self.report, LoadOptions())
         return list(k.attach_uprobes(library, probes))
@@ -332,7 +332,7 @@ def test_mirrors_match_bcc(run: Run) -> None:
                 assert getattr(leaf, fname).offset == getattr(mirror, fname).offset, (name, fname)
     key = run.kernel.bpf["cuda_slots"].Key
     assert ctypes.sizeof(key) == ctypes.sizeof(CudaSlotKeyC)
-    from sits_trace.agent.cuda import CudaProcC
+    from sits_trace.agent.signals.cuda import CudaProcC
 
     assert ctypes.sizeof(run.kernel.bpf["cuda_procs"].Leaf) == ctypes.sizeof(CudaProcC)
 

@@ -1,12 +1,11 @@
-"""The ctypes mirror in agent/events.py matches the layout BCC derives from bpf/events.h."""
+"""The ctypes mirror in agent/capture/events.py matches the layout BCC derives from bpf/events.h."""
 
 from __future__ import annotations
 
 import ctypes
 
 import pytest
-
-from sits_trace.agent import bpfsrc, events
+from sits_trace.agent.capture import bpfsrc, events
 
 pytestmark = pytest.mark.bpf
 

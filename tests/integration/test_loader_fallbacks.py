@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from sits_trace.agent.loader import LoadOptions, RingSource, load
+from sits_trace.agent.capture.loader import LoadOptions, RingSource, load
 from sits_trace.agent.model import Span
-from sits_trace.agent.pipeline import Tracer
-from sits_trace.agent.spans import SpanBuilder
+from sits_trace.agent.tracing.pipeline import Tracer
+from sits_trace.agent.tracing.spans import SpanBuilder
 
 from .harness import curl, python_server
 

@@ -17,11 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from sits_trace.agent import loader, nodesignals, probes
-from sits_trace.agent.bpfmaps import BccMaps
-from sits_trace.agent.cpusignals import SchedSignals
-from sits_trace.agent.events import DataEvent, decode
+from sits_trace.agent.capture import loader, probes
+from sits_trace.agent.capture.bpfmaps import BccMaps
+from sits_trace.agent.capture.events import DataEvent, decode
 from sits_trace.agent.model import (
     ConnInfo,
     Direction,
@@ -31,6 +29,8 @@ from sits_trace.agent.model import (
     Role,
     Span,
 )
+from sits_trace.agent.signals import node as nodesignals
+from sits_trace.agent.signals.sched import SchedSignals
 
 # SPIN threads hash (GIL released) for SECONDS once told to, then block; a server thread answers
 # each request after hashing for 0.3 s, printing its schedstat just after the read and just

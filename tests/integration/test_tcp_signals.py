@@ -18,11 +18,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-from sits_trace.agent import loader, nodesignals, probes
-from sits_trace.agent.bpfmaps import BccMaps
-from sits_trace.agent.events import Kind
+from sits_trace.agent.capture import loader, probes
+from sits_trace.agent.capture.bpfmaps import BccMaps
+from sits_trace.agent.capture.events import Kind
 from sits_trace.agent.model import ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
-from sits_trace.agent.netsignals import (
+from sits_trace.agent.signals import node as nodesignals
+from sits_trace.agent.signals.tcp import (
     TcpConnStats,
     TcpEventType,
     TcpSignals,

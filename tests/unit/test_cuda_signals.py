@@ -1,4 +1,4 @@
-"""agent/cuda.py without a kernel: EV_CUDA_COPY records recorded on an H200 (a PyTorch server,
+"""agent/signals/cuda.py without a kernel: EV_CUDA_COPY records recorded on an H200 (a PyTorch server,
 tests/gpu/scenario.py), address-range direction resolution, slot windows over DictCudaMaps."""
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ import ctypes
 from pathlib import Path
 
 import pytest
-from sits_trace.agent.cuda import (
+from sits_trace.agent.capture.events import DecodeError, Kind
+from sits_trace.agent.capture.loader import RecordedSource
+from sits_trace.agent.model import ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
+from sits_trace.agent.signals.cuda import (
     CUDA_UPROBES,
     AddressMap,
     CopyDir,
@@ -27,9 +30,6 @@ from sits_trace.agent.cuda import (
     slot_key,
     unique_files,
 )
-from sits_trace.agent.events import DecodeError, Kind
-from sits_trace.agent.loader import RecordedSource
-from sits_trace.agent.model import ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
 
 FIXTURE = Path(__file__).parents[1] / "fixtures/cuda/h200_torch_server.rec"
 SHIFT = 20
@@ -174,7 +174,7 @@ def test_unique_files_by_inode(tmp_path: Path) -> None:
 
 def test_annotator_on_recorded_copies() -> None:
     """gpusignals: a span gets the copies of its own process and window, from real records."""
-    from sits_trace.agent.gpusignals import GpuSignals
+    from sits_trace.agent.signals.gpu import GpuSignals
 
     recs = _records()
     copies = [decode_copy(r) for r in recs]

@@ -3,8 +3,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-
-from sits_trace.agent import events
+from sits_trace.agent.capture import events
 from sits_trace.agent.model import Direction, Role
 
 

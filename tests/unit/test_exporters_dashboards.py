@@ -70,17 +70,18 @@ def test_trace_links_use_the_trace_backend_variable() -> None:
 def _emitted_names() -> set[str]:
     """Every metric name the agent can put on /metrics for node signals, from the code that
     makes them (features.py for the frame's rows, the counters of cuda.py and nodesignals)."""
-    from sits_trace.agent.bpfmaps import DictMaps, u32
-    from sits_trace.agent.cpusignals import RunqProcC, SchedSignals
-    from sits_trace.agent.cuda import CudaTotals
-    from sits_trace.agent.features import (
+    from sits_trace.agent.capture.bpfmaps import DictMaps, u32
+    from sits_trace.agent.signals.cuda import CudaTotals
+    from sits_trace.agent.signals.node import NodeSignals, tcp_features
+    from sits_trace.agent.signals.sched import RunqProcC, SchedSignals
+    from sits_trace.agent.signals.tcp import TcpSample, TcpSignals
+    from sits_trace.analyzers.features import FeatureFrame
+    from sits_trace.exporters.node_metrics import (
         DCGM_NAMES,
-        FeatureFrame,
+        counter_samples,
         cuda_counter_samples,
         metric_samples,
     )
-    from sits_trace.agent.netsignals import TcpSample, TcpSignals
-    from sits_trace.agent.nodesignals import NodeSignals, counter_samples, tcp_features
 
     maps = DictMaps({"runq_procs": {u32(1): bytes(RunqProcC(delay_ns=1, count=1))}})
     node = NodeSignals(TcpSignals(maps), SchedSignals(maps))

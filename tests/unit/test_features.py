@@ -10,14 +10,6 @@ import pytest
 pytest.importorskip("pandas")
 pynvml = pytest.importorskip("pynvml")
 
-from sits_trace.agent.cuda import CudaProcC, CudaSignals, DictCudaMaps
-from sits_trace.agent.features import (
-    DCGM_NAMES,
-    FeatureFrame,
-    cuda_counter_samples,
-    metric_samples,
-)
-from sits_trace.agent.gpusignals import GpuSignals
 from sits_trace.agent.model import (
     ConnInfo,
     Exchange,
@@ -26,7 +18,11 @@ from sits_trace.agent.model import (
     Role,
     Span,
 )
-from sits_trace.agent.nvml import NvmlSampler
+from sits_trace.agent.signals.cuda import CudaProcC, CudaSignals, DictCudaMaps
+from sits_trace.agent.signals.gpu import GpuSignals
+from sits_trace.agent.signals.nvml import NvmlSampler
+from sits_trace.analyzers.features import FeatureFrame
+from sits_trace.exporters.node_metrics import DCGM_NAMES, cuda_counter_samples, metric_samples
 
 from .test_nvml_replay import META, ReplayClock, _mono, _phase
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sits_trace.agent.http1 import REDACTED, HttpConnParser, ParserStats
 from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role
+from sits_trace.agent.tracing.http1 import REDACTED, HttpConnParser, ParserStats
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "http"
 T0 = 1_000_000_000  # monotonic ns of the first record

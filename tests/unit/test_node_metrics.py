@@ -13,13 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 pytest.importorskip("pandas")
 pytest.importorskip("pynvml")
 
-from sits_trace.agent.bpfmaps import DictMaps, u32
-from sits_trace.agent.cpusignals import RunqHistKeyC, RunqProcC, SchedSignals
-from sits_trace.agent.features import FeatureFrame, MetricSample, metric_samples
-from sits_trace.agent.netsignals import TcpSignals, TcpTotal, TwKeyC
-from sits_trace.agent.nodesignals import NodeSignals, counter_samples
-from sits_trace.agent.nvml import NvmlSampler
+from sits_trace.agent.capture.bpfmaps import DictMaps, u32
+from sits_trace.agent.model import MetricSample
+from sits_trace.agent.signals.node import NodeSignals
+from sits_trace.agent.signals.nvml import NvmlSampler
+from sits_trace.agent.signals.sched import RunqHistKeyC, RunqProcC, SchedSignals
+from sits_trace.agent.signals.tcp import TcpSignals, TcpTotal, TwKeyC
+from sits_trace.analyzers.features import FeatureFrame
 from sits_trace.exporters import ExporterSet
+from sits_trace.exporters.node_metrics import counter_samples, metric_samples
 from sits_trace.exporters.prometheus import PrometheusExporter
 
 from .test_nvml_replay import META, ReplayClock

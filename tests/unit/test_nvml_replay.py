@@ -17,7 +17,7 @@ import pytest
 
 pynvml = pytest.importorskip("pynvml")
 
-from sits_trace.agent.nvml import (
+from sits_trace.agent.signals.nvml import (
     NvmlSampler,
     RecordingNvml,
     ReplayNvml,
@@ -181,7 +181,7 @@ def test_recording_round_trip(tmp_path: Path) -> None:
 
 def test_no_nvml_library_is_one_line(monkeypatch: pytest.MonkeyPatch,
                                      caplog: pytest.LogCaptureFixture) -> None:
-    from sits_trace.agent import nvml
+    from sits_trace.agent.signals import nvml
 
     def broken() -> None:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sits_trace.agent.procfs import ProcFS, parse_proc_net_tcp
+from sits_trace.agent.tracing.procfs import ProcFS, parse_proc_net_tcp
 
 # captured from this machine: nginx listening on 127.0.0.1:18080, one client connected
 PROC_NET_TCP = """\

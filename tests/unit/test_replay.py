@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from sits_trace.agent.events import DATA_HDR_SIZE, DataEvent, decode
-from sits_trace.agent.loader import RecordedSource
+from sits_trace.agent.capture.events import DATA_HDR_SIZE, DataEvent, decode
+from sits_trace.agent.capture.loader import RecordedSource
 from sits_trace.agent.model import Span
-from sits_trace.agent.pipeline import Tracer
-from sits_trace.agent.procfs import ProcFS
-from sits_trace.agent.spans import SpanBuilder
+from sits_trace.agent.tracing.pipeline import Tracer
+from sits_trace.agent.tracing.procfs import ProcFS
+from sits_trace.agent.tracing.spans import SpanBuilder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "events"
 

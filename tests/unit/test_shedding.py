@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sits_trace.agent.shedding import MAX_SHIFT, LoadShedder, default_cpu_budget
+from sits_trace.agent.capture.shedding import MAX_SHIFT, LoadShedder
+from sits_trace.agent.config import default_cpu_budget
 
 
 class Meter:

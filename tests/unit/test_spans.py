@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sits_trace.agent.http1 import HttpConnParser
 from sits_trace.agent.model import (
     Chunk,
     ConnInfo,
@@ -18,7 +17,8 @@ from sits_trace.agent.model import (
     ResponseHead,
     Role,
 )
-from sits_trace.agent.spans import RouteTable, SpanBuilder, split_host_port
+from sits_trace.agent.tracing.http1 import HttpConnParser
+from sits_trace.agent.tracing.spans import RouteTable, SpanBuilder, split_host_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "http"
 OFFSET = 1_764_670_000_000_000_000  # Unix ns at monotonic 0

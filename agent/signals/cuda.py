@@ -26,12 +26,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .events import DecodeError, Kind
-from .probes import ProbeStatus, Uprobe, elf_has_symbol, find_libraries, mapped_libraries
+from sits_trace.agent.capture.events import DecodeError, Kind
+from sits_trace.agent.capture.probes import (
+    ProbeStatus,
+    Uprobe,
+    elf_has_symbol,
+    find_libraries,
+    mapped_libraries,
+)
+from sits_trace.agent.model import Check
 
 if TYPE_CHECKING:
-    from .doctor import Check
-    from .loader import Kernel
+    from sits_trace.agent.capture.loader import Kernel
 
 CUDA_PROGRAM = "cuda.c"
 LIBCUDA = "libcuda"
@@ -699,7 +705,6 @@ class CudaProbes:
 
 def doctor_checks(proc_root: str = "/proc") -> list[Check]:
     """One row per libcuda found: which probed symbols it exports. Never a core check."""
-    from .doctor import Check  # doctor is the caller's stage
 
     libs = find_libcuda(proc_root)
     if not libs:

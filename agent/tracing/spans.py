@@ -15,7 +15,15 @@ import os
 from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
-from .model import AttrValue, ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
+from sits_trace.agent.model import (
+    AttrValue,
+    ConnInfo,
+    Exchange,
+    RequestHead,
+    ResponseHead,
+    Role,
+    Span,
+)
 
 # methods OTel knows (RFC 9110 + PATCH); others become "_OTHER"
 KNOWN_METHODS = frozenset(

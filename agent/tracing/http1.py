@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice, repeat
 
-from .model import Chunk, ConnInfo, Exchange, RequestHead, ResponseHead, Role
+from sits_trace.agent.model import Chunk, ConnInfo, Exchange, RequestHead, ResponseHead, Role
 
 REDACTED = "[redacted]"
 REDACTED_HEADERS = frozenset({"authorization", "cookie", "set-cookie", "proxy-authorization"})

@@ -26,22 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .bpfmaps import BccMaps, MapAccess, recursion_misses
-from .cpusignals import SCHED_PROGRAM, SCHED_TRACEPOINTS, SchedSample, SchedSignals
-from .events import Kind
-from .features import MetricSample, Provider
-from .loader import Kernel, LoadOptions
-from .netsignals import TCP_PROGRAM, TCP_TRACEPOINTS, TcpSample, TcpSignals
-from .probes import Tracepoint
+from sits_trace.agent.capture.bpfmaps import BccMaps, MapAccess, recursion_misses
+from sits_trace.agent.capture.events import Kind
+from sits_trace.agent.capture.loader import Kernel, LoadOptions
+from sits_trace.agent.capture.probes import Tracepoint, tracefs_root, tracepoint_checks
+from sits_trace.agent.model import Check, Provider
+
+from .sched import SCHED_PROGRAM, SCHED_TRACEPOINTS, SchedSample, SchedSignals
+from .tcp import TCP_PROGRAM, TCP_TRACEPOINTS, TcpSample, TcpSignals
 
 if TYPE_CHECKING:  # the pipeline imports the parser stack; only its type is needed here
-    from .doctor import Check
-    from .pipeline import Tracer
+    from sits_trace.agent.tracing.pipeline import Tracer
 
 
 @dataclass(slots=True)
@@ -201,22 +201,8 @@ def sched_features(s: SchedSample, proc_root: str = "/proc"
     return out
 
 
-def counter_samples(node: NodeSignals) -> Iterator[MetricSample]:
-    """The kernel's cumulative counters, read now (for a scrape-time collector)."""
-    if node.tcp is not None:
-        for name, v in node.tcp.totals().items():
-            yield MetricSample(f"sits_tcp_{name}_total", {}, float(v))
-    if node.sched is not None:
-        for pid, (delay_ns, waits) in sorted(node.sched.proc_totals().items()):
-            labels = {"pid": str(pid)}
-            yield MetricSample("sits_cpu_runq_delay_seconds_total", labels, delay_ns / 1e9)
-            yield MetricSample("sits_cpu_runq_waits_total", labels, float(waits))
-
-
 def doctor_checks() -> list[Check]:
     """One doctor row per group (tcp, sched): for doctor.EXTRA_CHECKS."""
-    from .doctor import tracepoint_checks  # noqa: PLC0415 - doctor is the caller's stage
-    from .probes import tracefs_root  # noqa: PLC0415
 
     return tracepoint_checks([*TCP_TRACEPOINTS, *SCHED_TRACEPOINTS], tracefs_root())
 

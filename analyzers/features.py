@@ -5,9 +5,8 @@ GPM metrics, clocks, power, memory, PCIe, XIDs), per CUDA process and for the no
 per-second deltas of the kernel's CUDA counters, and whatever extra providers return (TCP,
 run-queue numbers). `frame()` gives it as a pandas DataFrame: a UTC DatetimeIndex and
 (signal, entity) columns, entity "gpu<i>", "pid<n>", "local_port<n>"/"peer_port<n>" (TCP
-TIME_WAIT by port) or "node". The RCA stage reads it;
-`metric_samples()` turns the newest row into (name, labels, value) for a Prometheus exporter,
-under DCGM's names where DCGM has the signal (DCGM_NAMES).
+TIME_WAIT by port) or "node". The RCA reads it; exporters/node_metrics.py names its newest
+row for Prometheus.
 """
 
 from __future__ import annotations
@@ -15,43 +14,16 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .cuda import CudaSignals, CudaTotals
+from sits_trace.agent.model import Provider, Row
+from sits_trace.agent.signals.cuda import CudaSignals, CudaTotals
 
 if TYPE_CHECKING:
     import pandas as pd
+    from sits_trace.agent.signals.nvml import NvmlSampler
 
-    from .nvml import NvmlSampler
-
-Row = dict[tuple[str, str], float]
-# a provider's values: "signal" (the node's) or ("signal", entity); its name prefixes the signal
-Provider = Callable[[], Mapping[str | tuple[str, str], float]]
-
-# frame signal -> (DCGM field name, factor from the frame's unit to DCGM's)
-DCGM_NAMES: dict[str, tuple[str, float]] = {
-    "gpu_util_pct": ("DCGM_FI_DEV_GPU_UTIL", 1.0),
-    "mem_util_pct": ("DCGM_FI_DEV_MEM_COPY_UTIL", 1.0),
-    "graphics_active_pct": ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", 0.01),  # DCGM: a ratio 0..1
-    "sm_active_pct": ("DCGM_FI_PROF_SM_ACTIVE", 0.01),
-    "sm_occupancy_pct": ("DCGM_FI_PROF_SM_OCCUPANCY", 0.01),
-    "tensor_active_pct": ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", 0.01),
-    "dram_active_pct": ("DCGM_FI_PROF_DRAM_ACTIVE", 0.01),
-    "pcie_tx_bytes_per_s": ("DCGM_FI_PROF_PCIE_TX_BYTES", 1.0),
-    "pcie_rx_bytes_per_s": ("DCGM_FI_PROF_PCIE_RX_BYTES", 1.0),
-    "sm_clock_mhz": ("DCGM_FI_DEV_SM_CLOCK", 1.0),
-    "mem_clock_mhz": ("DCGM_FI_DEV_MEM_CLOCK", 1.0),
-    "power_w": ("DCGM_FI_DEV_POWER_USAGE", 1.0),
-    "temperature_c": ("DCGM_FI_DEV_GPU_TEMP", 1.0),
-    "memory_used_bytes": ("DCGM_FI_DEV_FB_USED", 1.0 / 2**20),  # DCGM: MiB
-    "memory_free_bytes": ("DCGM_FI_DEV_FB_FREE", 1.0 / 2**20),
-    "clocks_event_reasons": ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", 1.0),
-    "pcie_replay_total": ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", 1.0),
-    "pcie_link_gen": ("DCGM_FI_DEV_PCIE_LINK_GEN", 1.0),
-    "pcie_link_width": ("DCGM_FI_DEV_PCIE_LINK_WIDTH", 1.0),
-    "xid_last": ("DCGM_FI_DEV_XID_ERRORS", 1.0),
-}
 # CUDA per-second deltas: frame signal -> CudaTotals field (ns fields become seconds)
 CUDA_RATES: dict[str, str] = {
     "cuda_kernel_launches_per_s": "launches",
@@ -69,11 +41,6 @@ _GPU_STATE = ("sm_clock_mhz", "mem_clock_mhz", "clocks_event_reasons", "power_w"
               "temperature_c", "memory_used_bytes", "pcie_link_gen", "pcie_link_width",
               "pcie_replay_total")
 
-
-class MetricSample(NamedTuple):
-    name: str
-    labels: dict[str, str]
-    value: float
 
 
 class FeatureFrame:
@@ -199,52 +166,3 @@ def _provided(name: str, values: Mapping[str | tuple[str, str], float]) -> Row:
         sig, ent = (k, "node") if isinstance(k, str) else k
         row[(f"{name}_{sig}", ent)] = float(v)
     return row
-
-
-_PORT_ENTITIES = (("local_port", "local"), ("peer_port", "peer"))
-
-
-def _gpu_labels(ent: str, devices: Sequence[Any]) -> dict[str, str]:
-    i = int(ent[3:])
-    labels = {"gpu": str(i)}
-    for d in devices:
-        if d.info.index == i:
-            labels.update(UUID=d.info.uuid, modelName=d.info.name, pci_bus_id=d.info.pci_bus_id)
-    return labels
-
-
-def metric_samples(row: Row, devices: Sequence[Any] = ()) -> Iterator[MetricSample]:
-    """(name, labels, value) for one frame row: DCGM names and units for GPU signals,
-    sits_<signal> for the rest (labels gpu / pid / port and side)."""
-    for (sig, ent), v in sorted(row.items()):
-        if ent.startswith("gpu"):
-            name, factor = DCGM_NAMES.get(sig, (f"sits_gpu_{sig}", 1.0))
-            yield MetricSample(name, _gpu_labels(ent, devices), v * factor)
-        else:
-            yield MetricSample(f"sits_{sig}", entity_labels(ent), v)
-
-
-def entity_labels(ent: str) -> dict[str, str]:
-    """Prometheus labels of a non-GPU entity: pid<n>, local_port<n>/peer_port<n>, node."""
-    if ent.startswith("pid"):
-        return {"pid": ent[3:]}
-    for prefix, side in _PORT_ENTITIES:
-        if ent.startswith(prefix):
-            return {"port": ent[len(prefix):], "side": side}
-    return {}
-
-
-def cuda_counter_samples(totals: Mapping[int, CudaTotals]) -> Iterator[MetricSample]:
-    """Cumulative CUDA counters per process, for a scrape-time collector (`_total`)."""
-    for pid, t in sorted(totals.items()):
-        p = str(pid)
-        yield MetricSample("sits_cuda_kernel_launches_total", {"pid": p}, float(t.launches))
-        yield MetricSample("sits_cuda_graph_launches_total", {"pid": p}, float(t.graph_launches))
-        for d, b, n in (("h2d", t.h2d_bytes, t.h2d_copies), ("d2h", t.d2h_bytes, t.d2h_copies),
-                        ("d2d", t.d2d_bytes, t.d2d_copies),
-                        ("unknown", t.other_bytes, t.other_copies)):
-            yield MetricSample("sits_cuda_copy_bytes_total", {"pid": p, "direction": d}, float(b))
-            yield MetricSample("sits_cuda_copies_total", {"pid": p, "direction": d}, float(n))
-        yield MetricSample("sits_cuda_sync_wait_seconds_total", {"pid": p}, t.sync_ns / 1e9)
-        yield MetricSample("sits_cuda_syncs_total", {"pid": p}, float(t.syncs))
-        yield MetricSample("sits_cuda_failed_calls_total", {"pid": p}, float(t.failed))

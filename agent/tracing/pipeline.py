@@ -12,10 +12,19 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .events import ConnEvent, DataEvent, DecodeError, Kind, ProcEvent, Source, decode
+from sits_trace.agent.capture.events import (
+    ConnEvent,
+    DataEvent,
+    DecodeError,
+    Kind,
+    ProcEvent,
+    Source,
+    decode,
+)
+from sits_trace.agent.capture.loader import EventSource
+from sits_trace.agent.model import Chunk, ConnInfo, Exchange, Role, Span
+
 from .http1 import HttpConnParser, ParserStats
-from .loader import EventSource
-from .model import Chunk, ConnInfo, Exchange, Role, Span
 from .procfs import ProcFS
 from .spans import SpanBuilder
 

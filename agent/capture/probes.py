@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sits_trace.agent.model import Check
+
 
 @dataclass(frozen=True, slots=True)
 class Tracepoint:
@@ -167,3 +169,23 @@ def mapped_libraries(pid: int, short: str, proc_root: str = "/proc") -> list[str
     except OSError:
         pass
     return list(out)
+
+
+def tracepoint_checks(tps: Sequence[Tracepoint], root: Path | None) -> list[Check]:
+    """One row per probe group: how many of its tracepoints exist, naming the missing."""
+    groups: dict[str, list[Tracepoint]] = {}
+    for tp in tps:
+        groups.setdefault(tp.group, []).append(tp)
+    out = []
+    for group, members in groups.items():
+        missing = [tp for tp in members
+                   if root is None or not (root / "events" / tp.category / tp.event / "id").exists()]
+        detail = f"{len(members) - len(missing)}/{len(members)} present"
+        if missing:
+            detail += "; missing " + ", ".join(tp.name for tp in missing)
+        fix = "needs CONFIG_FTRACE_SYSCALLS" if any(tp.category == "syscalls" for tp in missing) \
+            else "optional: this kernel lacks them; the agent runs without"
+        # a group fails the agent only when a required tracepoint of it is missing
+        out.append(Check(f"tracepoints ({group})", not missing, detail, fix,
+                         core=any(tp.required for tp in missing)))
+    return out

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .bpfmaps import MapAccess, u64
-from .events import DecodeError, Kind
-from .model import ConnInfo, Exchange, Role, Span
-from .probes import Tracepoint
+from sits_trace.agent.capture.bpfmaps import MapAccess, u64
+from sits_trace.agent.capture.events import DecodeError, Kind
+from sits_trace.agent.capture.probes import Tracepoint
+from sits_trace.agent.model import ConnInfo, Exchange, Role, Span
 
 TCP_PROGRAM = "tcp.c"
 TCP_TRACEPOINTS: tuple[Tracepoint, ...] = (

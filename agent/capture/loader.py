@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from sits_trace.agent.config import default_cpu_budget
+
 from . import bpfsrc, ringbuf
 from .probes import (
     HTTP_TRACEPOINTS,
@@ -32,7 +34,7 @@ from .probes import (
     tracefs_root,
 )
 from .ringbuf import MmapRing
-from .shedding import LoadShedder, default_cpu_budget
+from .shedding import LoadShedder
 
 
 class EventSource(Protocol):
@@ -201,7 +203,7 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
 class RingSource:
     """Records from the kernel's ring buffer, in batches.
 
-    On x86-64 the ring is read in place through mmap (agent/ringbuf.py): no call into
+    On x86-64 the ring is read in place through mmap (agent/capture/ringbuf.py): no call into
     C per record. Elsewhere, or with SITS_RING_READER=bcc, BCC's reader copies each
     record out in a ctypes callback.
     """

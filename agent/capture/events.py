@@ -13,7 +13,7 @@ import ipaddress
 import struct
 from dataclasses import dataclass
 
-from .model import Direction, Role
+from sits_trace.agent.model import Direction, Role
 
 TASK_COMM_LEN = 16
 

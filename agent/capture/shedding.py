@@ -32,13 +32,6 @@ from dataclasses import dataclass
 MAX_SHIFT = 16  # one exchange in 65536
 
 
-def default_cpu_budget(cpus: int | None = None) -> float:
-    """5% of the node's CPUs, at least 0.1 and at most 1 core: 0.1 on a 2-core VM, 1 core
-    on a 20-core-or-larger GPU node."""
-    n = cpus if cpus is not None else (os.cpu_count() or 1)
-    return round(min(1.0, max(0.1, 0.05 * n)), 3)
-
-
 @dataclass(slots=True)
 class SheddingState:
     shift: int = 0

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .bpfmaps import MapAccess, u32
-from .events import DataEvent
-from .model import Direction, Exchange, Span
-from .probes import Tracepoint
+from sits_trace.agent.capture.bpfmaps import MapAccess, u32
+from sits_trace.agent.capture.events import DataEvent
+from sits_trace.agent.capture.probes import Tracepoint
+from sits_trace.agent.model import Direction, Exchange, Span
 
 SCHED_PROGRAM = "sched.c"
 SCHED_TRACEPOINTS: tuple[Tracepoint, ...] = (

@@ -42,6 +42,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sits_trace.agent.model import Exchange, Span
+
 from .cuda import (
     CUDA_PROGRAM,
     DEFAULT_SLOT_SHIFT,
@@ -51,12 +53,11 @@ from .cuda import (
     CudaSignals,
     CudaWindow,
 )
-from .model import Exchange, Span
 from .nvml import GpuWindow, NvmlSampler, load_nvml
 
 if TYPE_CHECKING:
-    from .loader import Kernel, LoadOptions
-    from .pipeline import Tracer
+    from sits_trace.agent.capture.loader import Kernel, LoadOptions
+    from sits_trace.agent.tracing.pipeline import Tracer
 
 log = logging.getLogger("sits_trace.gpu")
 

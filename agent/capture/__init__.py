@@ -1,0 +1,1 @@
+"""Capture: BPF programs loaded and attached, the ring read, records decoded (bpf -> bytes)."""
