@@ -4,7 +4,9 @@
          (TCP_INFO tcpi_rtt) of the same socket, at a given one-way delay;
   loss:  an HTTP download (python3 -m http.server in the server netns, curl in the client
          netns) at a given loss, with the client netns's RetransSegs before and after;
-  rate:  the same download without impairment: the relay's throughput.
+  rate:  the same download without impairment: the relay's throughput;
+  cpu:   a busy victim's run-queue wait alone, with the CPU competitor, and with a
+         stress-ng in another session (autogroup: that one should bite far less).
 Run: `bench/faults/inject.py --measure` (root); the tests in
 tests/integration/test_faults.py call the same functions and assert on them.
 """
@@ -12,6 +14,9 @@ tests/integration/test_faults.py call the same functions and assert on them.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import socket
 import statistics
 import struct
@@ -23,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.faults.competitors import schedstat, start_cpu_competitor
 from bench.faults.netns import Topology, TopologyError
 
 TCPI_RTT_OFFSET = 68  # struct tcp_info: tcpi_rtt (us), after 8 bytes of u8s and 15 u32s
@@ -152,6 +158,42 @@ def _wait_port(topo: Topology, port: int, timeout: float = 10.0) -> None:
     raise TopologyError(f"the HTTP server did not listen on {topo.server_ip}:{port}")
 
 
+def cpu_effect(seconds: float = 1.5) -> dict[str, object]:
+    """A busy victim in its own session: its run-queue wait and CPU per second, alone, with
+    `start_cpu_competitor` (same scheduling group), and with a stress-ng in another session."""
+    victim = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        out: dict[str, object] = {"alone": _rates(victim.pid, seconds)}
+        comp = start_cpu_competitor(victim.pid, 1.0, 10)
+        try:
+            out["same_group"] = _rates(victim.pid, seconds)
+            out["placement"] = comp.placement
+        finally:
+            comp.stop()
+        other = subprocess.Popen(["stress-ng", "--cpu", str(os.cpu_count() or 1), "--timeout",
+                                  "10s", "-q"], start_new_session=True,
+                                 stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.3)
+            out["other_session"] = _rates(victim.pid, seconds)
+        finally:
+            os.killpg(other.pid, signal.SIGTERM)
+            other.wait()
+    finally:
+        victim.kill()
+        victim.wait()
+    return out
+
+
+def _rates(pid: int, seconds: float) -> dict[str, float]:
+    run0, wait0, _ = schedstat(pid)
+    time.sleep(seconds)
+    run1, wait1, _ = schedstat(pid)
+    return {"runq_wait_s_per_s": round((wait1 - wait0) / 1e9 / seconds, 3),
+            "on_cpu_s_per_s": round((run1 - run0) / 1e9 / seconds, 3)}
+
+
 def main(seed: int = 0) -> int:
     with Topology(seed=seed) as topo:
         print(json.dumps({"backend": topo.backend, "client": topo.client_ip,
@@ -161,4 +203,6 @@ def main(seed: int = 0) -> int:
         for loss, size in ((0.0, 64 << 20), (0.0, 4 << 20), (0.05, 4 << 20)):
             r = http_transfer(topo, loss, size)
             print(json.dumps({"transfer": r.__dict__ | {"mbit_s": round(r.mbit_s, 1)}}))
+    if shutil.which("stress-ng"):
+        print(json.dumps({"cpu_competitor": cpu_effect()}))
     return 0
