@@ -205,7 +205,8 @@ def start_cpu_competitor(victim_pid: int, intensity: float = 1.0, duration_s: fl
     p = subprocess.Popen(argv, preexec_fn=preexec, process_group=0,  # noqa: PLW1509 (no threads fork here; 3.11 has no cgroup= for Popen)
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     comp = Competitor("cpu_starvation", p, "stress-ng", chosen,
-                      {"workers": workers, "cgroup": str(cg) if cg else None}, undo)
+                      {"workers": workers, "cgroup": str(cg) if cg else None,
+                       "victim_pid": victim_pid}, undo)
     _wait_children(p.pid, proc_root)
     return comp
 

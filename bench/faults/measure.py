@@ -39,6 +39,7 @@ class RttResult:
     delay_ms: float
     app_rtt_ms_median: float
     app_rtt_ms_min: float
+    app_rtt_ms_max: float
     kernel_srtt_ms: float
     samples: int
 
@@ -80,9 +81,10 @@ def kernel_srtt_ms(s: socket.socket) -> float:
     return float(rtt_us) / 1000.0
 
 
-def measure_rtt(topo: Topology, delay_ms: float, samples: int = 20) -> RttResult:
-    """Set one-way `delay_ms`, then ping-pong 1 byte `samples` times over one connection."""
-    topo.set_link(delay_ms=delay_ms)
+def measure_rtt(topo: Topology, delay_ms: float, samples: int = 20,
+                jitter_ms: float = 0.0) -> RttResult:
+    """Set one-way `delay_ms` (+-`jitter_ms`), then ping-pong 1 byte `samples` times."""
+    topo.set_link(delay_ms=delay_ms, jitter_ms=jitter_ms)
     srv, port = _echo_server(topo)
     cl = topo.socket("client")
     try:
@@ -96,8 +98,8 @@ def measure_rtt(topo: Topology, delay_ms: float, samples: int = 20) -> RttResult
             if cl.recv(1) != b"x":
                 raise TopologyError("echo lost its byte")
             rtts.append((time.perf_counter() - t) * 1000.0)
-        return RttResult(delay_ms, statistics.median(rtts), min(rtts), kernel_srtt_ms(cl),
-                         samples)
+        return RttResult(delay_ms, statistics.median(rtts), min(rtts), max(rtts),
+                         kernel_srtt_ms(cl), samples)
     finally:
         cl.close()
         srv.close()

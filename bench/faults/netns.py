@@ -330,8 +330,14 @@ class Topology:
         for ns, ifname in zip((self.client_ns, self.server_ns), self.ifnames, strict=True):
             with IPRoute(netns=ns) if ns else IPRoute() as ipr:
                 (idx,) = ipr.link_lookup(ifname=ifname)
-                ipr.tc("replace", "netem", index=idx, handle="1:", delay=int(delay_ms * 1000),
-                       jitter=int(jitter_ms * 1000), loss=loss * 100.0)
+                try:
+                    ipr.tc("replace", "netem", index=idx, handle="1:",
+                           delay=int(delay_ms * 1000), jitter=int(jitter_ms * 1000),
+                           loss=loss * 100.0)
+                except NetlinkError as e:
+                    raise TopologyError(f"netem on {ifname} failed ({e}): this kernel may "
+                                        "lack CONFIG_NET_SCH_NETEM; use backend='tun-relay'"
+                                        ) from None
         return time.time_ns()
 
     def stats(self) -> dict[str, Any]:

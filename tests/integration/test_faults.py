@@ -1,6 +1,7 @@
 """The fault-injection harness imposes real faults: the kernel's TCP and scheduler see them.
 
-Root only (network namespaces, TUN, cgroups); no BPF. Each test is bounded to seconds.
+The `root` tests need root (network namespaces, TUN, cgroups), no BPF; each is bounded to
+seconds. The schedule/label logic at the end runs anywhere, on a fake clock.
 """
 
 from __future__ import annotations
@@ -15,26 +16,30 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, TUN, cgroups)"),
-    pytest.mark.timeout(120),
-]
+pytestmark = pytest.mark.timeout(120)
+root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, TUN, cgroups)")
 
 pyroute2 = pytest.importorskip("pyroute2")
 
 from bench.faults.competitors import (
+    CompetitorError,
     children,
+    choose_placement,
+    memory_bytes,
     schedstat,
     start_cpu_competitor,
     start_memory_competitor,
 )
+from bench.faults.inject import Fault, FaultError, FaultRunner, check_schedule, parse_fault
 from bench.faults.measure import http_transfer, measure_rtt
 from bench.faults.netns import Topology, leftovers, list_ours
+from bench.faults.relay import Direction, Link, LinkParams
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_stress = pytest.mark.skipif(shutil.which("stress-ng") is None, reason="needs stress-ng")
 
 
+@root
 def test_rtt_is_base_plus_twice_the_one_way_delay() -> None:
     with Topology() as topo:
         base = measure_rtt(topo, 0.0, samples=10)
@@ -47,6 +52,16 @@ def test_rtt_is_base_plus_twice_the_one_way_delay() -> None:
     assert back.app_rtt_ms_median < 5.0  # normal -> fault -> normal
 
 
+@root
+def test_jitter_spreads_rtt_without_reordering() -> None:
+    with Topology(seed=1) as topo:
+        r = measure_rtt(topo, 20.0, samples=20, jitter_ms=10.0)
+    assert r.app_rtt_ms_min >= 20.0  # two one-way delays of at least 10 ms each
+    assert r.app_rtt_ms_max - r.app_rtt_ms_min > 5.0
+    assert r.app_rtt_ms_max < 70.0
+
+
+@root
 def test_loss_makes_tcp_retransmit_and_http_still_completes() -> None:
     with Topology(seed=7) as topo:
         clean = http_transfer(topo, 0.0, 2 << 20)
@@ -60,6 +75,7 @@ def test_loss_makes_tcp_retransmit_and_http_still_completes() -> None:
     assert lossy.retrans_segs_server > clean.retrans_segs_server
 
 
+@root
 def test_teardown_leaves_nothing_even_on_error() -> None:
     topo = Topology(server_in_root=True)
     with pytest.raises(RuntimeError, match="boom"), topo:
@@ -72,6 +88,7 @@ def test_teardown_leaves_nothing_even_on_error() -> None:
     assert all(topo.tag not in n for n in list_ours())
 
 
+@root
 def test_parallel_topologies_do_not_collide() -> None:
     with Topology() as a, Topology() as b:
         assert a.client_ns != b.client_ns and a.server_ns != b.server_ns
@@ -88,6 +105,7 @@ def _wait_rate(pid: int, seconds: float) -> tuple[float, float]:
     return (wait1 - wait0) / 1e9 / seconds, (run1 - run0) / 1e9 / seconds
 
 
+@root
 @needs_stress
 def test_cpu_competitor_delays_a_victim_in_its_scheduling_group() -> None:
     # the victim has its own session, hence its own autogroup: a naive competitor would not bite
@@ -113,6 +131,7 @@ def test_cpu_competitor_delays_a_victim_in_its_scheduling_group() -> None:
     assert comp.popen.poll() is not None
 
 
+@root
 @needs_stress
 def test_memory_competitor_holds_a_bounded_share() -> None:
     comp = start_memory_competitor(intensity=0.02, duration_s=10)
@@ -138,6 +157,7 @@ def _rss(pid: int) -> int:
     return 0
 
 
+@root
 def test_cli_applies_and_labels_a_delay_fault(tmp_path: Path) -> None:
     labels = tmp_path / "labels.json"
     before = set(list_ours())
@@ -167,3 +187,131 @@ def test_cli_rejects_a_bad_fault_in_one_line() -> None:
     assert out.returncode == 1
     assert out.stderr.strip() == (
         "inject: network_delay:jitter_ms=3: give the intensity as network_delay:ms=<number>")
+
+
+# -- no root needed: the relay's decisions, the schedule, the labels, the placement ----------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, d: float) -> None:
+        self.t += d
+
+    def wall_ns(self) -> int:
+        return int(self.t * 1e9)
+
+
+def test_relay_delays_drops_by_seed_and_keeps_order_under_jitter() -> None:
+    clock = FakeClock()
+    runs = []
+    for _ in range(2):
+        link, d = Link(LinkParams(delay_ms=10, jitter_ms=8, loss=0.3), 42, clock), Direction(0, 1)
+        for i in range(200):
+            link.admit(d, bytes([i]))
+        runs.append([p[0] for _, p in d.queue])
+    assert runs[0] == runs[1]  # same seed, same fate
+    assert 100 < len(runs[0]) < 180 and runs[0] == sorted(runs[0])  # ~30% lost, FIFO
+    assert link.due(d) == []  # nothing before 2 ms
+    clock.t += 0.0181
+    assert len(link.due(d)) == len(runs[0])  # everything by delay + jitter
+
+
+class Recorder:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.events: list[tuple[str, str, float]] = []
+
+    def apply(self, fault: Fault) -> dict[str, object] | None:
+        self.events.append(("apply", fault.kind, self.clock.t - 100.0))
+        return {"pid": 1234, "name": "hog"}
+
+    def remove(self, fault: Fault) -> None:
+        self.events.append(("remove", fault.kind, self.clock.t - 100.0))
+
+
+def test_runner_applies_and_removes_on_time_and_labels_what_happened() -> None:
+    clock = FakeClock()
+    rec = Recorder(clock)
+    faults = [Fault("network_delay", 2.0, 3.0, 50.0),
+              Fault("cpu_starvation", 4.0, 1.0, 1.0, culprit={"pid": 7, "name": "given"})]
+    runner = FaultRunner(faults, {"network_delay": rec, "cpu_starvation": rec}, seed=9,
+                         clock=clock, sleep=clock.sleep, wall_ns=clock.wall_ns)
+    labels = runner.run(total_s=8.0)
+    assert rec.events == [("apply", "network_delay", 2.0), ("apply", "cpu_starvation", 4.0),
+                          ("remove", "network_delay", 5.0), ("remove", "cpu_starvation", 5.0)]
+    assert clock.t == pytest.approx(108.0)
+    d, c = labels
+    assert (d.cause, d.culprit, d.seed) == ("network_delay", {"pid": 1234, "name": "hog"}, 9)
+    assert (d.start_ns, d.end_ns) == (102 * 10**9, 105 * 10**9)
+    assert c.culprit == {"pid": 7, "name": "given"}  # the caller's label wins
+
+
+def test_runner_removes_active_faults_when_interrupted() -> None:
+    clock = FakeClock()
+    rec = Recorder(clock)
+
+    def sleep(d: float) -> None:
+        clock.sleep(d)
+        if clock.t - 100.0 >= 3.0:
+            raise KeyboardInterrupt
+
+    runner = FaultRunner([Fault("network_loss", 1.0, 10.0, 0.05)], {"network_loss": rec},
+                         clock=clock, sleep=sleep, wall_ns=clock.wall_ns)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    assert [e[0] for e in rec.events] == ["apply", "remove"]
+    assert runner.labels[0].end_ns is not None
+
+
+def test_schedule_checks() -> None:
+    check_schedule([Fault("network_delay", 0, 5, 10), Fault("network_loss", 1, 5, 0.1)])
+    with pytest.raises(FaultError, match="overlap"):
+        check_schedule([Fault("network_delay", 0, 5, 10), Fault("network_delay", 4, 5, 10)])
+    with pytest.raises(FaultError, match="unknown fault kind"):
+        Fault("disk_full", 0, 1, 1).validate()
+    with pytest.raises(FaultError, match="no handler for server_queueing"):
+        FaultRunner([Fault("server_queueing", 0, 1, 2)], {})
+    f = parse_fault("network_delay:ms=50,jitter_ms=5", 10, 20)
+    assert (f.kind, f.intensity, f.params, f.end_s) == ("network_delay", 50.0, {"jitter_ms": 5.0}, 30)
+
+
+def test_memory_size_is_bounded() -> None:
+    gib = 1 << 30
+    assert memory_bytes(0.25, 20 * gib) == 5 * gib
+    assert memory_bytes(0.9, 20 * gib) == 16 * gib  # at most reserve-limited and capped
+    assert memory_bytes(0.9, 6 * gib) == 2 * gib  # 4 GiB stay available
+    with pytest.raises(CompetitorError):
+        memory_bytes(0.5, 4 * gib)
+    with pytest.raises(CompetitorError):
+        memory_bytes(1.0, 20 * gib)
+
+
+def _fake_proc(tmp: Path, victim_cg: str, victim_ag: str, enabled: str = "1") -> Path:
+    proc, cg = tmp / "proc", tmp / "cgcpu"
+    (proc / "self").mkdir(parents=True)
+    (proc / "42").mkdir()
+    (proc / "sys/kernel").mkdir(parents=True)
+    cg.mkdir()
+    (proc / "self/mountinfo").write_text(
+        f"32 31 0:29 / {cg} rw,relatime - cgroup cgroup rw,cpu\n")
+    (proc / "42/cgroup").write_text(f"4:memory:/x\n1:cpu:{victim_cg}\n0::/\n")
+    (proc / "42/autogroup").write_text(f"{victim_ag} nice 0\n")
+    (proc / "self/autogroup").write_text("/autogroup-6 nice 0\n")
+    (proc / "sys/kernel/sched_autogroup_enabled").write_text(enabled + "\n")
+    return proc
+
+
+def test_cpu_placement_follows_the_victims_scheduling_group(tmp_path: Path) -> None:
+    p = _fake_proc(tmp_path / "a", "/svc", "/autogroup-9")
+    assert choose_placement(42, p) == ("cgroup", tmp_path / "a/cgcpu/svc")
+    p = _fake_proc(tmp_path / "b", "/", "/autogroup-6")
+    assert choose_placement(42, p) == ("session", None)
+    p = _fake_proc(tmp_path / "c", "/", "/autogroup-9")
+    assert choose_placement(42, p) == ("cgroup-move", tmp_path / "c/cgcpu")
+    p = _fake_proc(tmp_path / "d", "/", "/autogroup-9", enabled="0")
+    assert choose_placement(42, p) == ("session", None)
