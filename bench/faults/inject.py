@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -380,8 +382,20 @@ def _faults_from_args(a: argparse.Namespace) -> list[Fault]:
     return faults
 
 
+def _on_sigterm(main_pid: int) -> Callable[[int, object], None]:
+    def handler(signum: int, frame: object) -> None:
+        if os.getpid() != main_pid:  # a forked (not exec'd) pyroute2 helper: die as usual
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt  # unwinds through the runner and Topology: faults off
+
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm(os.getpid()))
     try:
         if a.measure:
             from bench.faults.measure import main as measure_main

@@ -14,6 +14,7 @@ context manager whose `close()` is idempotent and runs on exceptions too.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import ipaddress
 import json
@@ -76,9 +77,14 @@ def in_netns(name: str | None) -> Iterator[None]:
         netns.popns()
 
 
+PR_SET_PDEATHSIG = 1
+
+
 def _enter_netns_fd(fd: int) -> Callable[[], None]:
     def enter() -> None:  # runs in the child between fork and exec
         netns.setns(fd, flags=0)
+        # SIGTERM when the forking thread dies, so a SIGKILLed harness leaves no servers
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
     return enter
 
@@ -363,7 +369,10 @@ class Topology:
         return self.client_ip if side == "client" else self.server_ip
 
     def popen(self, side: Side, argv: Sequence[str], **kw: Any) -> subprocess.Popen[bytes]:
-        """Start `argv` inside `side`'s netns; it is killed (its process group) on close."""
+        """Start `argv` inside `side`'s netns; it is killed (its process group) on close.
+
+        In a netns it also gets SIGTERM if the calling thread dies: call from a thread
+        that outlives it (the main thread)."""
         ns = self.ns_of(side)
         kw.setdefault("start_new_session", "process_group" not in kw)
         group = bool(kw["start_new_session"]) or kw.get("process_group") == 0

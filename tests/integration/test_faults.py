@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -176,6 +177,27 @@ def test_cli_applies_and_labels_a_delay_fault(tmp_path: Path) -> None:
     assert f["culprit"]["peer"] == doc["client_ip"]
     assert t0 < f["start_ns"] < f["end_ns"]
     assert (f["end_ns"] - f["start_ns"]) / 1e9 == pytest.approx(1.5, abs=0.3)
+    assert set(list_ours()) == before
+
+
+@root
+def test_cli_stops_on_sigint_with_faults_removed_and_labels_written(tmp_path: Path) -> None:
+    labels = tmp_path / "labels.json"
+    before = set(list_ours())
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench/faults/inject.py"), "--server-cmd", "sleep 300",
+         "--fault", "network_loss:p=0.1", "--at", "0", "--for", "60", "--duration", "60",
+         "--labels", str(labels)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "apply  network_loss" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    (f,) = json.loads(labels.read_text())["faults"]
+    assert f["cause"] == "network_loss" and f["end_ns"] > f["start_ns"]
     assert set(list_ours()) == before
 
 
