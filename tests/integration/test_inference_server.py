@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Generator
@@ -167,3 +168,63 @@ def test_errors_and_request_ids_are_logged(server: tuple[str, Path]) -> None:
     assert by_id["bad-1"]["status"] == 400 and "max_tokens" in by_id["bad-1"]["error"]
     assert by_id["emb-1"]["input_tokens"] == 4 and by_id["emb-1"]["path"] == "/v1/embeddings"
     assert by_id[generated_id]["output_tokens"] == 2
+
+
+class FakeAgent:
+    """The agent's side of the control socket: a fixed decision; records the reports."""
+
+    def __init__(self, path: str, decisions: dict[str, Any]) -> None:
+        self.reports: list[dict[str, Any]] = []
+        self.decisions = decisions
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(4)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as lines:
+            for line in lines:
+                req = json.loads(line)
+                if req["op"] == "report":
+                    self.reports.append(req)
+                    reply: dict[str, Any] = {"ok": True}
+                else:
+                    reply = {"ok": True, "version": 1, "decisions": self.decisions}
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
+def test_server_follows_the_agent_and_paces_its_bulk_loader(tmp_path: Path) -> None:
+    sock = str(tmp_path / "control.sock")
+    agent = FakeAgent(sock, {"batch_window_ms": 40.0, "stream_priority": None,
+                             "copy_budget_bytes_per_s": 20e6, "cpu_actions": []})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", str(port), "--hidden", "128", "--vocab", "1024",
+         "--control-socket", sock, "--service", "llm-it", "--bulk-loader", "200e6",
+         "--bulk-bytes", str(8 << 20), "--bulk-chunk", str(1 << 20)], stderr=subprocess.PIPE)
+    try:
+        wait_healthy(url, proc)
+        time.sleep(0.5)
+        before, t0 = httpx.get(url + "/health").json(), time.monotonic()
+        time.sleep(2.0)
+        after, t1 = httpx.get(url + "/health").json(), time.monotonic()
+        assert after["batch_window_ms"] == 40.0  # the agent's window, not the 2 ms default
+        rate = (after["bulk_bytes"] - before["bulk_bytes"]) / (t1 - t0)
+        assert 10e6 < rate < 25e6  # the agent's 20 MB/s budget, not the 200 MB/s default
+        assert agent.reports and agent.reports[-1]["service"] == "llm-it"
+        # a lone request now waits out the agent's 40 ms window before its prefill
+        t = time.perf_counter()
+        httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert time.perf_counter() - t >= 0.04
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
