@@ -106,6 +106,11 @@ class Kernel:
             out[(key >> 8, key & 0xFF)] = sum(int(x) for x in v)
         return out
 
+    def exchanges(self) -> int:
+        """Exchanges the kernel saw begin, captured or skipped (all CPUs)."""
+        table = self.bpf["exchange_seq"]
+        return sum(int(x) for x in table[table.Key(0)])
+
     def add_target_pid(self, pid: int) -> None:
         table = self.bpf["target_pids"]
         table[table.Key(pid)] = table.Leaf(1)
@@ -218,7 +223,7 @@ class RingSource:
             self._mmap = MmapRing(table.map_fd, kernel.opts.ringbuf_pages * mmap.PAGESIZE)
         self.shedder = LoadShedder(kernel.set_capture_shift, cpu_budget=kernel.opts.cpu_budget,
                                    lost=lambda: sum(kernel.counters("lost").values()),
-                                   ring=self._ring_progress)
+                                   ring=self._ring_progress, exchanges=kernel.exchanges)
         if self._mmap is not None:
             return
         self._batch: list[bytes] = []
@@ -265,10 +270,15 @@ _REC_MAGIC = b"SITSREC1"
 
 
 class Recorder:
-    """Writes every record it is given to a file: the fixtures unit tests replay."""
+    """Writes every record it is given to a file: the fixtures unit tests replay.
+
+    The file holds the raw captured bytes, unredacted (credentials, cookies, bodies): it is
+    created owner-only (0600), and an existing file is made so before it is written."""
 
     def __init__(self, path: Path) -> None:
-        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        self._f: BinaryIO = os.fdopen(fd, "wb")
         self._f.write(_REC_MAGIC)
 
     def write(self, records: Sequence[bytes]) -> None:
