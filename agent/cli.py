@@ -79,7 +79,8 @@ def trace(
     duration: Annotated[Optional[float], typer.Option("--duration", "-d", help="stop after this many seconds")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per span on stdout, nothing else")] = False,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file")] = None,
-    record: Annotated[Optional[Path], typer.Option("--record", help="also save raw ring-buffer records to this file (fixtures)")] = None,
+    record: Annotated[Optional[Path], typer.Option("--record", help="also save raw ring-buffer records to this file (fixtures). It holds the raw "
+                                                                              "bytes, secrets included: created 0600, keep it private")] = None,
     replay: Annotated[Optional[Path], typer.Option("--replay", help="decode a recording instead of the kernel (no root needed)")] = None,
     cpu_budget: Annotated[Optional[float], typer.Option("--cpu-budget", help="cores the agent may use before the kernel samples exchanges (0: capture all)")] = None,
 ) -> None:
@@ -98,7 +99,7 @@ def trace(
         _fail(str(exc))
     sink = _json_printer if as_json else _TablePrinter()
     if replay is not None:
-        _replay(replay, sink, cfg.trace.port or None)
+        _replay(replay, sink, cfg.trace.port or None, cfg.trace.redact_query_keys)
         return
     from sits_trace.agent.capture.loader import Recorder, RingSource, TeeSource  # noqa: PLC0415
 
@@ -123,16 +124,18 @@ def trace(
         typer.echo(f"sits-trace: {line}", err=True)
 
 
-def _replay(path: Path, sink: Any, port: int | None) -> None:
+def _replay(path: Path, sink: Any, port: int | None, redact_keys: list[str]) -> None:
     from sits_trace.agent.capture.loader import RecordedSource  # noqa: PLC0415
     from sits_trace.agent.tracing.pipeline import Tracer  # noqa: PLC0415
+    from sits_trace.agent.tracing.redact import QueryRedactor  # noqa: PLC0415
     from sits_trace.agent.tracing.spans import SpanBuilder  # noqa: PLC0415
 
     try:
         src = RecordedSource(path)
     except (OSError, ValueError) as exc:
         _fail(str(exc))
-    tracer = Tracer(src, sink, SpanBuilder(clock_offset_ns=0), port=port,
+    builder = SpanBuilder(clock_offset_ns=0, redactor=QueryRedactor(redact_keys))
+    tracer = Tracer(src, sink, builder, port=port,
                     monotonic_ns=lambda: 0)
     while not src.exhausted:
         tracer.poll(0)

@@ -26,6 +26,7 @@ from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_optio
 from sits_trace.agent.signals.node import NodeSignalConfig, NodeSignals
 from sits_trace.agent.tracing.pipeline import Rescans, SpanSink, Tracer
 from sits_trace.agent.tracing.procfs import ProcFS
+from sits_trace.agent.tracing.redact import QueryRedactor
 from sits_trace.agent.tracing.spans import SpanBuilder
 from sits_trace.analyzers.features import FeatureFrame
 from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samples, metric_samples
@@ -92,7 +93,8 @@ class Agent:
         self.kernel = load(nodesignals.extend_options(cuda_options(opts, self._gpu_cfg), add))
         source = self._source_factory(self.kernel)
         offset = clock_offset_ns()
-        builder = SpanBuilder(clock_offset_ns=offset)
+        builder = SpanBuilder(clock_offset_ns=offset,
+                              redactor=QueryRedactor(t.redact_query_keys))
         self._rescans = Rescans(self._check_libraries)
         self.tracer = Tracer(
             source, self.sink, builder, procfs=self.procfs, port=t.port or None,

@@ -33,7 +33,6 @@ sampler) is not the exchanges', and capturing fewer of them would not give it ba
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
