@@ -6,6 +6,7 @@ Errors a user can cause end in one line on stderr and a non-zero exit.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -31,12 +32,24 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _install_stop(stop: threading.Event) -> None:
+def _install_stop(stop: threading.Event, reload: threading.Event | None = None) -> None:
+    """SIGINT/SIGTERM stop (drain and flush); a second one ends at once. SIGHUP reloads
+    where `reload` is given (`run`), else stops."""
+
     def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():  # stopping already takes too long for whoever sends it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         stop.set()
+
+    def hup(_signum: int, _frame: Any) -> None:
+        assert reload is not None
+        reload.set()
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, hup if reload is not None else handler)
 
 
 class _TablePrinter:
@@ -160,23 +173,60 @@ def run(
 
     try:
         exporters = build_exporters(cfg)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:
         _fail(str(exc))
     agent = Agent(cfg, exporters.export_span)
-    stop = threading.Event()
-    _install_stop(stop)
+    stop, reload = threading.Event(), threading.Event()
+    _install_stop(stop, reload)
     try:
         agent.start()
     except ProbeError as exc:
         _fail(str(exc))
     exporters.attach_agent(agent)
     typer.echo("sits-trace: agent running", err=True)
+    live = [exporters]
+
+    def on_reload() -> None:
+        live[0] = _reload(config, agent, live[0])
+
     try:
-        agent.run(stop)
+        agent.run(stop, reload=reload, on_reload=on_reload)
     finally:
-        exporters.shutdown()
+        _shutdown(live[0])
     for line in format_stats_lines(agent.stats()):
         typer.echo(f"sits-trace: {line}", err=True)
+
+
+def _shutdown(exporters: Any) -> None:
+    """Flush and stop the exporters within STOP_FLUSH_S together."""
+    from .daemon import STOP_FLUSH_S
+
+    exporters.shutdown(STOP_FLUSH_S / max(1, len(exporters.exporters)))
+
+
+def _reload(config: Path | None, agent: Any, old: Any) -> Any:
+    """SIGHUP: read the config file again; new exporters (endpoints, a reopened JSONL file
+    after logrotate's rename) and CPU budget. A bad file keeps everything as it was."""
+    from sits_trace.exporters import build_exporters
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        typer.echo(f"sits-trace: reload refused, running configuration kept: {exc}", err=True)
+        return old
+    _shutdown(old)  # flushes to the old file / endpoint; frees the /metrics port
+    try:
+        new = build_exporters(cfg)
+    except (ConfigError, OSError) as exc:
+        typer.echo(f"sits-trace: reload: {exc}; previous exporters restored", err=True)
+        cfg.export = agent.cfg.export
+        new = build_exporters(agent.cfg)
+    new.attach_agent(agent)
+    agent.set_sink(new.export_span)
+    agent.set_cpu_budget(cfg.trace.cpu_budget)
+    agent.cfg.export = cfg.export
+    typer.echo("sits-trace: configuration reloaded", err=True)
+    return new
 
 
 @app.command()

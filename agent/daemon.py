@@ -34,6 +34,12 @@ from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samp
 from .config import STATS_PATH, Config
 
 
+# SIGTERM to exit: the ring is read for at most this long after the probes are detached;
+# exporters get STOP_FLUSH_S more (systemd's default TimeoutStopSec is 90 s; ours is 10)
+DRAIN_S = 4.0
+STOP_FLUSH_S = 4.0
+
+
 def clock_offset_ns() -> int:
     """Unix time minus CLOCK_MONOTONIC (the clock bpf_ktime_get_ns reads)."""
     best = None
@@ -73,6 +79,7 @@ class Agent:
         self._source_factory = source_factory or RingSource
         self._rescans: Rescans | None = None
         self._last_stats_write = 0.0
+        self.drain_abandoned_bytes = 0  # ring bytes left unread at the stop deadline
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []
@@ -158,21 +165,48 @@ class Agent:
         if self.gpu is not None:
             self.gpu.poll()
 
-    def run(self, stop: threading.Event, duration_s: float | None = None) -> None:
+    def run(self, stop: threading.Event, duration_s: float | None = None, *,
+            reload: threading.Event | None = None,
+            on_reload: Callable[[], None] | None = None) -> None:
+        """Trace until `stop` is set (or `duration_s` passed), then drain. A set `reload`
+        (SIGHUP) calls `on_reload` between two reads."""
         deadline = time.monotonic() + duration_s if duration_s else None
         while not stop.is_set():
             self.step()
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            if reload is not None and reload.is_set():
+                reload.clear()
+                if on_reload is not None:
+                    on_reload()
             self._maybe_write_stats()
         self.drain()
 
-    def drain(self) -> None:
-        """Read what is left in the ring, then flush every pending exchange."""
+    def set_sink(self, sink: SpanSink) -> None:
+        """Spans go to `sink` from the next one on (a reload's new exporters)."""
+        self.sink = sink
+        if self.tracer is not None:
+            self.tracer.sink = sink
+
+    def set_cpu_budget(self, cores: float) -> None:
+        self.cfg.trace.cpu_budget = cores
+        shedder = getattr(self.tracer.source if self.tracer else None, "shedder", None)
+        if shedder is not None:
+            shedder.budget = cores
+
+    def drain(self, deadline_s: float = DRAIN_S) -> None:
+        """Stop: detach the probes (no new records), read what is queued in the ring for
+        at most `deadline_s`, then flush every pending exchange. Records still queued at
+        the deadline are counted (`drain_abandoned_bytes`), never waited for."""
         assert self.tracer is not None
-        for _ in range(50):
+        if self.kernel is not None:
+            self.kernel.detach_all()
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
             if not self.tracer.poll(0):
                 break
+        pending = getattr(self.tracer.source, "pending_bytes", None)
+        self.drain_abandoned_bytes = int(pending()) if pending is not None else 0
         self.tracer.close_all()
         if self.features is not None:
             self.features.stop()
@@ -195,6 +229,8 @@ class Agent:
             out["node_signals"] = nodesignals.stats(self.node, self.kernel)
         if self.features is not None:
             out["features"] = {"rows": len(self.features)}
+        if self.drain_abandoned_bytes:
+            out["drain_abandoned_bytes"] = self.drain_abandoned_bytes
         out["time_unix"] = time.time()
         return out
 
@@ -236,5 +272,6 @@ def format_stats_lines(stats: dict[str, Any]) -> Sequence[str]:
         f"records={t.get('records', 0)} spans={t.get('spans', 0)} "
         f"decode_errors={t.get('decode_errors', 0)} lost_in_kernel={lost_total(stats)} "
         f"exchanges_shed={t.get('exchanges_shed', 0)} capture_shift={t.get('capture_shift', 0)} "
-        f"parser_resyncs={p.get('resyncs', 0)} parser_malformed={p.get('malformed', 0)}",
+        f"parser_resyncs={p.get('resyncs', 0)} parser_malformed={p.get('malformed', 0)} "
+        f"drain_abandoned_bytes={stats.get('drain_abandoned_bytes', 0)}",
     ]

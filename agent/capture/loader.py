@@ -154,8 +154,29 @@ class Kernel:
                 self.report.add(st)
         return out
 
+    def detach_all(self) -> int:
+        """Detach every tracepoint and uprobe (maps stay: the ring can still be read).
+        Stopping under load starts here, so the records left to read are bounded."""
+        n = 0
+        bpf = self.bpf
+        with self._lock:
+            for tp in list(getattr(bpf, "tracepoint_fds", {})):
+                n += _quietly(bpf.detach_tracepoint, tp)
+            for ev in list(getattr(bpf, "uprobe_fds", {})):
+                n += _quietly(bpf.detach_uprobe_event, ev)
+            self._attached.clear()
+        return n
+
     def attached_libraries(self) -> set[str]:
         return {lib for lib, _ in self._attached}
+
+
+def _quietly(fn: Callable[[Any], object], arg: Any) -> int:
+    try:
+        fn(arg)
+    except Exception:  # noqa: BLE001 - bcc raises bare Exception; stopping goes on
+        return 0
+    return 1
 
 
 def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
@@ -240,6 +261,10 @@ class RingSource:
     def _ring_progress(self) -> tuple[int, int]:
         m = self._mmap
         return (m.read_bytes(), m.pending_bytes()) if m is not None else (self._read_bytes, 0)
+
+    def pending_bytes(self) -> int:
+        """Bytes waiting in the ring (0 where the reader cannot tell)."""
+        return self._ring_progress()[1]
 
     @property
     def reader(self) -> str:
@@ -335,6 +360,14 @@ class TeeSource:
         recs = self.inner.read(timeout_ms)
         self.recorder.write(recs)
         return recs
+
+    def pending_bytes(self) -> int:
+        inner = getattr(self.inner, "pending_bytes", None)
+        return int(inner()) if inner is not None else 0
+
+    @property
+    def shedder(self) -> object:
+        return getattr(self.inner, "shedder", None)
 
     def shedding(self) -> tuple[int, int]:
         inner = getattr(self.inner, "shedding", None)
