@@ -36,8 +36,8 @@ from .config import STATS_PATH, Config
 
 # SIGTERM to exit: the ring is read for at most this long after the probes are detached;
 # exporters get STOP_FLUSH_S more (systemd's default TimeoutStopSec is 90 s; ours is 10)
-DRAIN_S = 4.0
-STOP_FLUSH_S = 4.0
+DRAIN_S = 2.5
+STOP_FLUSH_S = 3.0
 
 
 def clock_offset_ns() -> int:
