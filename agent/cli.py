@@ -6,6 +6,7 @@ Errors a user can cause end in one line on stderr and a non-zero exit.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -31,12 +32,24 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _install_stop(stop: threading.Event) -> None:
+def _install_stop(stop: threading.Event, reload: threading.Event | None = None) -> None:
+    """SIGINT/SIGTERM stop (drain and flush); a second one ends at once. SIGHUP reloads
+    where `reload` is given (`run`), else stops."""
+
     def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():  # stopping already takes too long for whoever sends it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         stop.set()
+
+    def hup(_signum: int, _frame: Any) -> None:
+        assert reload is not None
+        reload.set()
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, hup if reload is not None else handler)
 
 
 class _TablePrinter:
@@ -79,7 +92,8 @@ def trace(
     duration: Annotated[Optional[float], typer.Option("--duration", "-d", help="stop after this many seconds")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per span on stdout, nothing else")] = False,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file")] = None,
-    record: Annotated[Optional[Path], typer.Option("--record", help="also save raw ring-buffer records to this file (fixtures)")] = None,
+    record: Annotated[Optional[Path], typer.Option("--record", help="also save raw ring-buffer records to this file (fixtures). It holds the raw "
+                                                                              "bytes, secrets included: created 0600, keep it private")] = None,
     replay: Annotated[Optional[Path], typer.Option("--replay", help="decode a recording instead of the kernel (no root needed)")] = None,
     cpu_budget: Annotated[Optional[float], typer.Option("--cpu-budget", help="cores the agent may use before the kernel samples exchanges (0: capture all)")] = None,
 ) -> None:
@@ -98,7 +112,7 @@ def trace(
         _fail(str(exc))
     sink = _json_printer if as_json else _TablePrinter()
     if replay is not None:
-        _replay(replay, sink, cfg.trace.port or None)
+        _replay(replay, sink, cfg.trace.port or None, cfg.trace.redact_query_keys)
         return
     from sits_trace.agent.capture.loader import Recorder, RingSource, TeeSource  # noqa: PLC0415
 
@@ -123,16 +137,18 @@ def trace(
         typer.echo(f"sits-trace: {line}", err=True)
 
 
-def _replay(path: Path, sink: Any, port: int | None) -> None:
+def _replay(path: Path, sink: Any, port: int | None, redact_keys: list[str]) -> None:
     from sits_trace.agent.capture.loader import RecordedSource  # noqa: PLC0415
     from sits_trace.agent.tracing.pipeline import Tracer  # noqa: PLC0415
+    from sits_trace.agent.tracing.redact import QueryRedactor  # noqa: PLC0415
     from sits_trace.agent.tracing.spans import SpanBuilder  # noqa: PLC0415
 
     try:
         src = RecordedSource(path)
     except (OSError, ValueError) as exc:
         _fail(str(exc))
-    tracer = Tracer(src, sink, SpanBuilder(clock_offset_ns=0), port=port,
+    builder = SpanBuilder(clock_offset_ns=0, redactor=QueryRedactor(redact_keys))
+    tracer = Tracer(src, sink, builder, port=port,
                     monotonic_ns=lambda: 0)
     while not src.exhausted:
         tracer.poll(0)
@@ -157,23 +173,60 @@ def run(
 
     try:
         exporters = build_exporters(cfg)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:
         _fail(str(exc))
     agent = Agent(cfg, exporters.export_span)
-    stop = threading.Event()
-    _install_stop(stop)
+    stop, reload = threading.Event(), threading.Event()
+    _install_stop(stop, reload)
     try:
         agent.start()
     except ProbeError as exc:
         _fail(str(exc))
     exporters.attach_agent(agent)
     typer.echo("sits-trace: agent running", err=True)
+    live = [exporters]
+
+    def on_reload() -> None:
+        live[0] = _reload(config, agent, live[0])
+
     try:
-        agent.run(stop)
+        agent.run(stop, reload=reload, on_reload=on_reload)
     finally:
-        exporters.shutdown()
+        _shutdown(live[0])
     for line in format_stats_lines(agent.stats()):
         typer.echo(f"sits-trace: {line}", err=True)
+
+
+def _shutdown(exporters: Any) -> None:
+    """Flush and stop the exporters within STOP_FLUSH_S together."""
+    from .daemon import STOP_FLUSH_S
+
+    exporters.shutdown(STOP_FLUSH_S / max(1, len(exporters.exporters)))
+
+
+def _reload(config: Path | None, agent: Any, old: Any) -> Any:
+    """SIGHUP: read the config file again; new exporters (endpoints, a reopened JSONL file
+    after logrotate's rename) and CPU budget. A bad file keeps everything as it was."""
+    from sits_trace.exporters import build_exporters
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        typer.echo(f"sits-trace: reload refused, running configuration kept: {exc}", err=True)
+        return old
+    _shutdown(old)  # flushes to the old file / endpoint; frees the /metrics port
+    try:
+        new = build_exporters(cfg)
+    except (ConfigError, OSError) as exc:
+        typer.echo(f"sits-trace: reload: {exc}; previous exporters restored", err=True)
+        cfg.export = agent.cfg.export
+        new = build_exporters(agent.cfg)
+    new.attach_agent(agent)
+    agent.set_sink(new.export_span)
+    agent.set_cpu_budget(cfg.trace.cpu_budget)
+    agent.cfg.export = cfg.export
+    typer.echo("sits-trace: configuration reloaded", err=True)
+    return new
 
 
 @app.command()

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from sits_trace.agent.tracing.redact import DEFAULT_QUERY_KEYS
+
 STATS_PATH = Path(os.environ.get("SITS_STATS_PATH", "/run/sits-trace/stats.json"))
 
 
@@ -40,6 +42,8 @@ class TraceConfig:
     # the rest) until it fits: see agent/capture/shedding.py. 0: capture everything, whatever it costs
     cpu_budget: float = field(default_factory=default_cpu_budget)  # 5% of CPUs, 0.1..1
     ssl_libraries: list[str] = field(default_factory=list)
+    # query-string keys whose values every output shows as REDACTED ([] turns it off)
+    redact_query_keys: list[str] = field(default_factory=lambda: list(DEFAULT_QUERY_KEYS))
 
 
 @dataclass(slots=True)

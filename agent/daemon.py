@@ -26,11 +26,18 @@ from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_optio
 from sits_trace.agent.signals.node import NodeSignalConfig, NodeSignals
 from sits_trace.agent.tracing.pipeline import Rescans, SpanSink, Tracer
 from sits_trace.agent.tracing.procfs import ProcFS
+from sits_trace.agent.tracing.redact import QueryRedactor
 from sits_trace.agent.tracing.spans import SpanBuilder
 from sits_trace.analyzers.features import FeatureFrame
 from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samples, metric_samples
 
 from .config import STATS_PATH, Config
+
+
+# SIGTERM to exit: the ring is read for at most this long after the probes are detached;
+# exporters get STOP_FLUSH_S more (systemd's default TimeoutStopSec is 90 s; ours is 10)
+DRAIN_S = 2.5
+STOP_FLUSH_S = 3.0
 
 
 def clock_offset_ns() -> int:
@@ -72,6 +79,7 @@ class Agent:
         self._source_factory = source_factory or RingSource
         self._rescans: Rescans | None = None
         self._last_stats_write = 0.0
+        self.drain_abandoned_bytes = 0  # ring bytes left unread at the stop deadline
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []
@@ -92,7 +100,8 @@ class Agent:
         self.kernel = load(nodesignals.extend_options(cuda_options(opts, self._gpu_cfg), add))
         source = self._source_factory(self.kernel)
         offset = clock_offset_ns()
-        builder = SpanBuilder(clock_offset_ns=offset)
+        builder = SpanBuilder(clock_offset_ns=offset,
+                              redactor=QueryRedactor(t.redact_query_keys))
         self._rescans = Rescans(self._check_libraries)
         self.tracer = Tracer(
             source, self.sink, builder, procfs=self.procfs, port=t.port or None,
@@ -156,21 +165,48 @@ class Agent:
         if self.gpu is not None:
             self.gpu.poll()
 
-    def run(self, stop: threading.Event, duration_s: float | None = None) -> None:
+    def run(self, stop: threading.Event, duration_s: float | None = None, *,
+            reload: threading.Event | None = None,
+            on_reload: Callable[[], None] | None = None) -> None:
+        """Trace until `stop` is set (or `duration_s` passed), then drain. A set `reload`
+        (SIGHUP) calls `on_reload` between two reads."""
         deadline = time.monotonic() + duration_s if duration_s else None
         while not stop.is_set():
             self.step()
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            if reload is not None and reload.is_set():
+                reload.clear()
+                if on_reload is not None:
+                    on_reload()
             self._maybe_write_stats()
         self.drain()
 
-    def drain(self) -> None:
-        """Read what is left in the ring, then flush every pending exchange."""
+    def set_sink(self, sink: SpanSink) -> None:
+        """Spans go to `sink` from the next one on (a reload's new exporters)."""
+        self.sink = sink
+        if self.tracer is not None:
+            self.tracer.sink = sink
+
+    def set_cpu_budget(self, cores: float) -> None:
+        self.cfg.trace.cpu_budget = cores
+        shedder = getattr(self.tracer.source if self.tracer else None, "shedder", None)
+        if shedder is not None:
+            shedder.budget = cores
+
+    def drain(self, deadline_s: float = DRAIN_S) -> None:
+        """Stop: detach the probes (no new records), read what is queued in the ring for
+        at most `deadline_s`, then flush every pending exchange. Records still queued at
+        the deadline are counted (`drain_abandoned_bytes`), never waited for."""
         assert self.tracer is not None
-        for _ in range(50):
+        if self.kernel is not None:
+            self.kernel.detach_all()
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
             if not self.tracer.poll(0):
                 break
+        pending = getattr(self.tracer.source, "pending_bytes", None)
+        self.drain_abandoned_bytes = int(pending()) if pending is not None else 0
         self.tracer.close_all()
         if self.features is not None:
             self.features.stop()
@@ -193,6 +229,8 @@ class Agent:
             out["node_signals"] = nodesignals.stats(self.node, self.kernel)
         if self.features is not None:
             out["features"] = {"rows": len(self.features)}
+        if self.drain_abandoned_bytes:
+            out["drain_abandoned_bytes"] = self.drain_abandoned_bytes
         out["time_unix"] = time.time()
         return out
 
@@ -234,5 +272,6 @@ def format_stats_lines(stats: dict[str, Any]) -> Sequence[str]:
         f"records={t.get('records', 0)} spans={t.get('spans', 0)} "
         f"decode_errors={t.get('decode_errors', 0)} lost_in_kernel={lost_total(stats)} "
         f"exchanges_shed={t.get('exchanges_shed', 0)} capture_shift={t.get('capture_shift', 0)} "
-        f"parser_resyncs={p.get('resyncs', 0)} parser_malformed={p.get('malformed', 0)}",
+        f"parser_resyncs={p.get('resyncs', 0)} parser_malformed={p.get('malformed', 0)} "
+        f"drain_abandoned_bytes={stats.get('drain_abandoned_bytes', 0)}",
     ]

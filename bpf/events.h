@@ -262,12 +262,12 @@ static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, _
         __u32 *shift = capture_shift.lookup(&zero);
         __u32 s = shift ? *shift & DATA_SAMPLE_SHIFT : 0;
         __u8 skip = 0;
-        if (s) {
-            __u64 *seq = exchange_seq.lookup(&zero);
-            if (seq) {
-                __u64 n = (*seq)++;
+        /* counted whether or not shedding is on: the agent's measure of exchanges offered */
+        __u64 *seq = exchange_seq.lookup(&zero);
+        if (seq) {
+            __u64 n = (*seq)++;
+            if (s)
                 skip = (n & ((1ULL << s) - 1)) != 0;
-            }
         }
         st->skip = skip;
         st->shift = s;

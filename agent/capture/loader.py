@@ -106,6 +106,11 @@ class Kernel:
             out[(key >> 8, key & 0xFF)] = sum(int(x) for x in v)
         return out
 
+    def exchanges(self) -> int:
+        """Exchanges the kernel saw begin, captured or skipped (all CPUs)."""
+        table = self.bpf["exchange_seq"]
+        return sum(int(x) for x in table[table.Key(0)])
+
     def add_target_pid(self, pid: int) -> None:
         table = self.bpf["target_pids"]
         table[table.Key(pid)] = table.Leaf(1)
@@ -149,8 +154,29 @@ class Kernel:
                 self.report.add(st)
         return out
 
+    def detach_all(self) -> int:
+        """Detach every tracepoint and uprobe (maps stay: the ring can still be read).
+        Stopping under load starts here, so the records left to read are bounded."""
+        n = 0
+        bpf = self.bpf
+        with self._lock:
+            for tp in list(getattr(bpf, "tracepoint_fds", {})):
+                n += _quietly(bpf.detach_tracepoint, tp)
+            for ev in list(getattr(bpf, "uprobe_fds", {})):
+                n += _quietly(bpf.detach_uprobe_event, ev)
+            self._attached.clear()
+        return n
+
     def attached_libraries(self) -> set[str]:
         return {lib for lib, _ in self._attached}
+
+
+def _quietly(fn: Callable[[Any], object], arg: Any) -> int:
+    try:
+        fn(arg)
+    except Exception:  # noqa: BLE001 - bcc raises bare Exception; stopping goes on
+        return 0
+    return 1
 
 
 def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
@@ -218,7 +244,7 @@ class RingSource:
             self._mmap = MmapRing(table.map_fd, kernel.opts.ringbuf_pages * mmap.PAGESIZE)
         self.shedder = LoadShedder(kernel.set_capture_shift, cpu_budget=kernel.opts.cpu_budget,
                                    lost=lambda: sum(kernel.counters("lost").values()),
-                                   ring=self._ring_progress)
+                                   ring=self._ring_progress, exchanges=kernel.exchanges)
         if self._mmap is not None:
             return
         self._batch: list[bytes] = []
@@ -235,6 +261,10 @@ class RingSource:
     def _ring_progress(self) -> tuple[int, int]:
         m = self._mmap
         return (m.read_bytes(), m.pending_bytes()) if m is not None else (self._read_bytes, 0)
+
+    def pending_bytes(self) -> int:
+        """Bytes waiting in the ring (0 where the reader cannot tell)."""
+        return self._ring_progress()[1]
 
     @property
     def reader(self) -> str:
@@ -265,10 +295,15 @@ _REC_MAGIC = b"SITSREC1"
 
 
 class Recorder:
-    """Writes every record it is given to a file: the fixtures unit tests replay."""
+    """Writes every record it is given to a file: the fixtures unit tests replay.
+
+    The file holds the raw captured bytes, unredacted (credentials, cookies, bodies): it is
+    created owner-only (0600), and an existing file is made so before it is written."""
 
     def __init__(self, path: Path) -> None:
-        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        self._f: BinaryIO = os.fdopen(fd, "wb")
         self._f.write(_REC_MAGIC)
 
     def write(self, records: Sequence[bytes]) -> None:
@@ -325,6 +360,14 @@ class TeeSource:
         recs = self.inner.read(timeout_ms)
         self.recorder.write(recs)
         return recs
+
+    def pending_bytes(self) -> int:
+        inner = getattr(self.inner, "pending_bytes", None)
+        return int(inner()) if inner is not None else 0
+
+    @property
+    def shedder(self) -> object:
+        return getattr(self.inner, "shedder", None)
 
     def shedding(self) -> tuple[int, int]:
         inner = getattr(self.inner, "shedding", None)

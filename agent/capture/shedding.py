@@ -9,13 +9,22 @@ connection is only ever cut between exchanges; what it skips it counts per proce
 re-weight to the true rate, and the kernel's count of skipped exchanges is exported.
 
 The shedder looks once per `interval_s` at the agent's own CPU time (all threads:
-parsing, span building, exporters) and at records lost in the kernel:
-- over the budget: up by ceil(log2(demand / budget)) at once (the agent's cost is about
+parsing, span building, exporters), at records lost in the kernel and at the exchanges
+offered (captured + skipped, bpf/events.h `exchange_seq`):
+- the agent's fixed cost (timers, the GPU sampler, an idle exporter) is learnt from quiet
+  intervals (< `min_bytes` read from the ring) and taken off: only the exchange-driven cost
+  `excess = demand - base` counts against the budget (an idle agent's 0.05 core must not
+  keep a 0.1-core budget "full");
+- over the budget: up by ceil(log2(excess / budget)) at once (the agent's cost is about
   proportional to the exchanges it captures), so a sudden flood is met within one
   interval rather than one halving per interval. Demand is the CPU it used, scaled by
   how much faster records arrived than it read them (a saturated reader shows 1 core
   however large the flood); records lost: at least one more;
-- under 40% of the budget: shift - 1 (twice as many: still under 80% of the budget).
+- under 40% of the budget: down by as many halvings as keep it under 80% of the budget
+  (all the way to 0 when the exchanges stopped), so tracing is back within an interval
+  or two of an attack ending;
+- a node offered fewer than `min_exchanges_per_s` exchanges is never sampled (a handful of
+  requests or SSE streams a second is cheap to trace whatever their bytes cost).
 It raises the shift only for an interval in which the agent read at least `min_bytes` from
 the ring: CPU spent while few records arrive (start-up, an exporter retrying, the GPU
 sampler) is not the exchanges', and capturing fewer of them would not give it back.
@@ -24,7 +33,6 @@ sampler) is not the exchanges', and capturing fewer of them would not give it ba
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +44,8 @@ MAX_SHIFT = 16  # one exchange in 65536
 class SheddingState:
     shift: int = 0
     cpu_cores: float = 0.0  # the agent's CPU use over the last interval
+    base_cores: float = -1.0  # its learnt fixed cost (-1: no quiet interval yet)
+    exchanges_per_s: float = 0.0  # offered over the last interval (captured + skipped)
     raised: int = 0  # times the shift went up
     lowered: int = 0
 
@@ -45,14 +55,19 @@ class LoadShedder:
                  lost: Callable[[], int] = lambda: 0,
                  ring: Callable[[], tuple[int, int]] = lambda: (0, 0), interval_s: float = 1.0,
                  min_bytes: int = 64 * 1024,
+                 exchanges: Callable[[], int] | None = None,
+                 min_exchanges_per_s: float = 50.0,
                  cpu_time: Callable[[], float] = time.process_time,
                  now: Callable[[], float] = time.monotonic) -> None:
-        """`cpu_budget` in cores (0.5: half a core); 0 never sheds."""
+        """`cpu_budget` in cores (0.5: half a core); 0 never sheds. `exchanges`: the
+        kernel's count of exchanges offered so far (None: unknown, no rate floor)."""
         self._set = set_shift
         self.budget = cpu_budget
         self._lost = lost
         self._ring = ring  # (bytes read so far, bytes waiting), from the ring reader
         self._min_bytes = min_bytes
+        self._exchanges = exchanges
+        self._min_rate = min_exchanges_per_s
         self._interval = interval_s
         self._cpu = cpu_time
         self._now = now
@@ -61,6 +76,7 @@ class LoadShedder:
         self._c0 = cpu_time()
         self._lost0 = lost()
         self._read0, self._wait0 = ring()
+        self._ex0 = exchanges() if exchanges is not None else 0
 
     def tick(self) -> None:
         """Call often (every ring read); acts once per interval."""
@@ -71,26 +87,49 @@ class LoadShedder:
         c = self._cpu()
         lost = self._lost()
         read, waiting = self._ring()
+        ex = self._exchanges() if self._exchanges is not None else 0
         cores = (c - self._c0) / dt
         new_loss = lost > self._lost0
         # records arrived = read + growth of the backlog; the reader kept up with read/arrived
         got = read - self._read0
         arrived = got + max(0, waiting - self._wait0)
         demand = cores * (arrived / got if got > 0 and arrived > got else 1.0)
-        self._t0, self._c0, self._lost0 = t, c, lost
+        rate = (ex - self._ex0) / dt if self._exchanges is not None else math.inf
+        self._t0, self._c0, self._lost0, self._ex0 = t, c, lost, ex
         self._read0, self._wait0 = read, waiting
         st = self.state
         st.cpu_cores = cores
+        st.exchanges_per_s = rate if rate != math.inf else 0.0
+        busy = arrived >= self._min_bytes
+        if not busy:
+            self._learn_base(cores)
         if self.budget <= 0:
             return
+        self._decide(max(0.0, demand - max(st.base_cores, 0.0)), busy, new_loss, rate)
+
+    def _learn_base(self, cores: float) -> None:
+        """The fixed cost: falls at once to a lower quiet reading, rises slowly, and never
+        counts for more than half the budget (a busy exporter is not free)."""
+        st = self.state
+        base = cores if st.base_cores < 0 else min(cores, 0.7 * st.base_cores + 0.3 * cores)
+        st.base_cores = min(base, 0.5 * self.budget) if self.budget > 0 else base
+
+    def _decide(self, excess: float, busy: bool, new_loss: bool, rate: float) -> None:
+        st = self.state
         shift = st.shift
-        busy = arrived >= self._min_bytes
-        if ((demand > self.budget and busy) or new_loss) and shift < MAX_SHIFT:
-            up = math.ceil(math.log2(demand / self.budget)) if demand > self.budget else 0
+        if rate < self._min_rate:
+            shift = 0  # a handful of exchanges a second: never sampled
+        elif ((excess > self.budget and busy) or new_loss) and shift < MAX_SHIFT:
+            up = math.ceil(math.log2(excess / self.budget)) if excess > self.budget else 0
             shift = min(MAX_SHIFT, shift + max(up, 1) + (1 if new_loss and up else 0))
+        elif excess < 0.4 * self.budget and shift > 0:
+            # each halving of the shift doubles the exchange-driven cost: as many as fit
+            room = 0.8 * self.budget / excess if excess > 0 else math.inf
+            down = shift if room == math.inf else max(1, int(math.log2(room)))
+            shift = max(0, shift - down)
+        if shift > st.shift:
             st.raised += 1
-        elif cores < 0.4 * self.budget and shift > 0:
-            shift -= 1
+        elif shift < st.shift:
             st.lowered += 1
         if shift != st.shift:
             st.shift = shift

@@ -172,7 +172,7 @@ class Tracer:
             hit = ("", 0)
             ino = self.procfs.socket_inode(pid, lfd) if lfd >= 0 else None
             if ino is not None:
-                sock = self.procfs.tcp_sockets(pid).get(ino)
+                sock = self.procfs.tcp_socket(pid, ino)
                 if sock is not None:
                     hit = (sock.local_address, sock.local_port)
             self._listeners[key] = hit
@@ -185,7 +185,9 @@ class Tracer:
                             peer_port=ev.peer_port, comm=self._exe_name(ev.pid, ev.comm))
             if ev.role is Role.SERVER:
                 info.local_address, info.local_port = self._listener(ev.pid, ev.listen_fd)
-            if not info.local_port or not info.peer_address:
+            # a client's own port is not needed (server.* is its peer): /proc only for what a
+            # span shows and the probes could not see
+            if not info.peer_address or (ev.role is Role.SERVER and not info.local_port):
                 self._from_proc(info)
             self._add(info)
             return
@@ -203,7 +205,7 @@ class Tracer:
     def _from_proc(self, info: ConnInfo) -> None:
         """Addresses the probes could not see (accept() entered before the agent started)."""
         ino = self.procfs.socket_inode(info.pid, info.fd)
-        sock = self.procfs.tcp_sockets(info.pid).get(ino) if ino is not None else None
+        sock = self.procfs.tcp_socket(info.pid, ino) if ino is not None else None
         if sock is None:
             return
         if info.role is Role.SERVER and not info.local_port:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 TCP_LISTEN = 0x0A
@@ -47,8 +49,36 @@ def parse_proc_net_tcp(text: str) -> list[TcpSocket]:
 
 
 class ProcFS:
-    def __init__(self, root: str = "/proc") -> None:
+    def __init__(self, root: str = "/proc", *, table_ttl_s: float = 1.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.root = root
+        self._ttl = table_ttl_s
+        self._now = monotonic
+        # network namespace -> (read at, sockets by inode): one whole-table parse per
+        # namespace per ttl, however many connections ask (a host with thousands of
+        # TIME_WAIT sockets makes each parse cost milliseconds)
+        self._tables: dict[str, tuple[float, dict[int, TcpSocket]]] = {}
+        self.table_reads = 0  # whole-table parses so far
+
+    def tcp_socket(self, pid: int, inode: int) -> TcpSocket | None:
+        """The socket `inode` of `pid`'s network namespace, from a table at most ttl old;
+        an inode missing from a fresh table is not looked for again until it expires."""
+        try:
+            ns = os.readlink(f"{self.root}/{pid}/ns/net")
+        except OSError:
+            ns = f"pid:{pid}"
+        now = self._now()
+        hit = self._tables.get(ns)
+        if hit is not None:
+            sock = hit[1].get(inode)
+            if sock is not None or now - hit[0] < self._ttl:
+                return sock
+        table = self.tcp_sockets(pid)
+        self.table_reads += 1
+        if len(self._tables) > 256:
+            self._tables.clear()
+        self._tables[ns] = (now, table)
+        return table.get(inode)
 
     def tcp_sockets(self, pid: int | None = None) -> dict[int, TcpSocket]:
         """TCP sockets by inode, from the network namespace of `pid` (or of the agent)."""

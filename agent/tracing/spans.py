@@ -25,6 +25,8 @@ from sits_trace.agent.model import (
     Span,
 )
 
+from .redact import QueryRedactor, strip_userinfo
+
 # methods OTel knows (RFC 9110 + PATCH); others become "_OTHER"
 KNOWN_METHODS = frozenset(
     {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
@@ -73,10 +75,12 @@ class SpanBuilder:
         clock_offset_ns: int,
         id_source: Callable[[int], bytes] = os.urandom,
         routes: RouteTable | None = None,
+        redactor: QueryRedactor | None = None,
     ) -> None:
         self.clock_offset_ns = clock_offset_ns
         self._id_source = id_source
         self._routes = routes
+        self._redactor = redactor if redactor is not None else QueryRedactor()
 
     def build(self, ex: Exchange) -> Span:
         req, resp, conn = ex.request, ex.response, ex.conn
@@ -84,6 +88,8 @@ class SpanBuilder:
         trace_id, parent = self._identity(req)
         method = req.method if req.method in KNOWN_METHODS else "_OTHER"
         path, query = _split_target(req.target)
+        if query:
+            query = self._redactor.query(query)
         route = self._routes.match(path) if self._routes is not None and path else None
         attrs = _request_attributes(req, method, path, query, route)
         attrs.update(_connection_attributes(conn, req, client))
@@ -276,7 +282,7 @@ def _server_endpoint(req: RequestHead, fallback: tuple[str, int]) -> tuple[str, 
     """server.address/port from the Host header, else from the connection."""
     host_header = req.header("host")
     if host_header:
-        host, port = split_host_port(host_header)
+        host, port = split_host_port(strip_userinfo(host_header))
         if host:
             return host, port if port is not None else fallback[1]
     return fallback

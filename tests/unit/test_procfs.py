@@ -39,3 +39,34 @@ def test_fake_proc_tree(tmp_path: Path) -> None:
     assert fs.comm(42) == "nginx"
     assert fs.pids() == [42]
     assert fs.socket_inode(42, 99) is None
+
+
+def _tree(tmp_path: Path, pids: list[int], ns: str) -> None:
+    for p in pids:
+        d = tmp_path / str(p)
+        (d / "net").mkdir(parents=True)
+        (d / "ns").mkdir()
+        (d / "net" / "tcp").write_text(PROC_NET_TCP)
+        os.symlink(ns, d / "ns" / "net")
+
+
+def test_socket_lookups_parse_one_table_per_namespace_per_ttl(tmp_path: Path) -> None:
+    # issue 10: 100 new connections/s each re-read /proc/<pid>/net/tcp{,6}; with thousands
+    # of TIME_WAIT sockets that was 85% of the agent's time
+    _tree(tmp_path, [42, 43], "net:[4026531840]")
+    _tree(tmp_path, [77], "net:[4026532000]")
+    t = [0.0]
+    fs = ProcFS(str(tmp_path), table_ttl_s=1.0, monotonic=lambda: t[0])
+    for _ in range(50):
+        assert fs.tcp_socket(42, 31338) is not None
+        assert fs.tcp_socket(43, 31337) is not None  # same namespace: same table
+        assert fs.tcp_socket(42, 99999) is None  # unknown inode: negative until the ttl
+    assert fs.table_reads == 1
+    assert fs.tcp_socket(77, 31338) is not None
+    assert fs.table_reads == 2
+    t[0] = 1.5  # expired: a missing inode reads the table again, once
+    assert fs.tcp_socket(42, 99999) is None
+    assert fs.tcp_socket(42, 99999) is None
+    assert fs.table_reads == 3
+    assert fs.tcp_socket(42, 31338) is not None  # a hit never rereads
+    assert fs.table_reads == 3
