@@ -19,7 +19,7 @@ from typing import Any
 
 from sits_trace.agent.capture.events import Kind
 from sits_trace.agent.capture.loader import EventSource, Kernel, LoadOptions, RingSource, load
-from sits_trace.agent.capture.probes import TLS_UPROBES, mapped_libraries, tracefs_root
+from sits_trace.agent.capture.probes import TLS_LIBRARIES, mapped_libraries, tracefs_root
 from sits_trace.agent.model import MetricSample
 from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_options
@@ -152,9 +152,10 @@ class Agent:
     def _check_libraries(self, pid: int) -> None:
         if self.kernel is None:
             return
-        for lib in mapped_libraries(pid, "libssl", self.procfs.root):
-            if lib not in self.kernel.attached_libraries():
-                self.kernel.attach_uprobes(lib, TLS_UPROBES)
+        for short, probes in TLS_LIBRARIES:
+            for lib in mapped_libraries(pid, short, self.procfs.root):
+                if lib not in self.kernel.attached_libraries():
+                    self.kernel.attach_uprobes(lib, probes)
         if self.gpu is not None:
             self.gpu.check_process(pid)  # libcuda, probed once per file
 

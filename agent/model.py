@@ -78,6 +78,10 @@ class RequestHead:
     start_ns: int  # first byte of the request (ts_exit of the chunk that carried it)
     end_ns: int  # last byte of the request, body included
     body_bytes: int = 0
+    # bounded prefix and tail of the captured body, kept only for model-serving routes (GenAI
+    # attributes read a few fields from them; span assembly never exports the bytes)
+    body_head: bytes = b""
+    body_tail: bytes = b""
 
     def header(self, name: str) -> str | None:
         for key, value in self.headers:
@@ -98,6 +102,11 @@ class ResponseHead:
     body_bytes: int = 0
     body_chunks: int = 0  # writes (or chunked-encoding chunks) that carried body bytes
     streamed: bool = False  # chunked or text/event-stream or close-delimited
+    max_gap_ns: int = 0  # longest pause between two body writes (time between tokens)
+    sse: bool = False  # text/event-stream: events counted, the terminal event noticed
+    sse_events: int = 0  # `data:` lines seen in captured body bytes
+    sse_done: bool = False  # an OpenAI-style `data: [DONE]` terminal event was seen
+    body_tail: bytes = b""  # last captured body bytes of model-serving routes (the `usage`)
 
     def header(self, name: str) -> str | None:
         for key, value in self.headers:

@@ -85,7 +85,8 @@ struct conn_event {
     char comm[TASK_COMM_LEN];
     __u8 role;
     __u8 tls;
-    __u8 _pad[6];
+    __u16 local_port; /* host byte order; 0 when unknown */
+    __u8 _pad[4];
 };
 
 /* EV_DATA: one read or write on a traced connection, with its payload prefix */

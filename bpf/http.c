@@ -53,9 +53,10 @@ struct thread_io {
     struct io_args io;
     struct ssl_active ssl;
     __u64 last_read_conn; /* conn key; 0: none */
+    __u32 last_read_len;  /* bytes that read returned (tls.c matches them to BIO_write) */
     __u8 io_active;
     __u8 ssl_active;
-    __u8 _pad[6];
+    __u8 _pad[2];
 };
 #ifndef SITS_TASK_STORAGE
 #define SITS_TASK_STORAGE 1
@@ -105,6 +106,61 @@ static __always_inline void read_sockaddr(struct conn_event *ev, __u64 uaddr)
     }
 }
 
+#ifdef SITS_SOCK_WALK
+/* The socket behind a fd of the current task, walking task -> files -> fdtable -> file ->
+ * socket -> sk with offsets the agent read from the running kernel's BTF (agent/capture/btf.py):
+ * no compiled-in struct layout. 0 when any step is missing. */
+static __always_inline __u64 fd_sock(int fd)
+{
+    __u64 task = (__u64)bpf_get_current_task();
+    __u64 files = 0, fdt = 0, fds = 0, file = 0, sock = 0, sk = 0;
+    __u32 max_fds = 0;
+    bpf_probe_read_kernel(&files, sizeof(files), (void *)(task + SITS_OFF_TASK_FILES));
+    if (!files)
+        return 0;
+    bpf_probe_read_kernel(&fdt, sizeof(fdt), (void *)(files + SITS_OFF_FILES_FDT));
+    if (!fdt)
+        return 0;
+    bpf_probe_read_kernel(&max_fds, sizeof(max_fds), (void *)(fdt + SITS_OFF_FDT_MAX_FDS));
+    if (fd < 0 || (__u32)fd >= max_fds)
+        return 0;
+    bpf_probe_read_kernel(&fds, sizeof(fds), (void *)(fdt + SITS_OFF_FDT_FD));
+    bpf_probe_read_kernel(&file, sizeof(file), (void *)(fds + (__u64)fd * 8));
+    if (!file)
+        return 0;
+    bpf_probe_read_kernel(&sock, sizeof(sock), (void *)(file + SITS_OFF_FILE_PRIVATE));
+    if (!sock)
+        return 0;
+    bpf_probe_read_kernel(&sk, sizeof(sk), (void *)(sock + SITS_OFF_SOCKET_SK));
+    return sk;
+}
+
+/* Local port always; the peer too when the syscall's own buffer did not give it (accept4
+ * with a NULL address, as libuv calls it). Read at the source, in the accepting or
+ * connecting thread, so no later close or fd reuse can mix connections up. */
+static __always_inline void sock_addrs(struct conn_event *ev, int fd)
+{
+    __u64 sk = fd_sock(fd);
+    if (!sk)
+        return;
+    __u16 family = 0, num = 0, dport = 0;
+    bpf_probe_read_kernel(&family, sizeof(family), (void *)(sk + SITS_OFF_SKC_FAMILY));
+    if (family != AF_INET && family != AF_INET6)
+        return;
+    bpf_probe_read_kernel(&num, sizeof(num), (void *)(sk + SITS_OFF_SKC_NUM));
+    ev->local_port = num;
+    if (ev->family)
+        return;
+    bpf_probe_read_kernel(&dport, sizeof(dport), (void *)(sk + SITS_OFF_SKC_DPORT));
+    ev->peer_port = __builtin_bswap16(dport);
+    ev->family = family;
+    if (family == AF_INET)
+        bpf_probe_read_kernel(ev->peer_addr, 4, (void *)(sk + SITS_OFF_SKC_DADDR));
+    else
+        bpf_probe_read_kernel(ev->peer_addr, 16, (void *)(sk + SITS_OFF_SKC_V6_DADDR));
+}
+#endif
+
 static __always_inline void emit_conn(int kind, __u32 tgid, int fd, struct conn_state *st,
                                       __u64 uaddr, int listen_fd)
 {
@@ -122,6 +178,10 @@ static __always_inline void emit_conn(int kind, __u32 tgid, int fd, struct conn_
     ev.tls = st->tls;
     bpf_get_current_comm(&ev.comm, sizeof(ev.comm));
     read_sockaddr(&ev, uaddr);
+#ifdef SITS_SOCK_WALK
+    if (kind == EV_CONN_OPEN)
+        sock_addrs(&ev, fd);
+#endif
     submit(&ev, sizeof(ev), kind);
 }
 
@@ -341,8 +401,10 @@ static __always_inline int io_exit(long ret)
         st->tls = 1;
         return 0;
     }
-    if (a.direction == 0)
+    if (a.direction == 0) {
         t->last_read_conn = a.conn;
+        t->last_read_len = (__u32)ret;
+    }
     if (st->tls)
         return 0; /* a memory-BIO TLS connection: tls.c emits the plaintext */
     if (!capture_exchange(id >> 32, st, a.direction))

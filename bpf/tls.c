@@ -4,9 +4,14 @@
  * An SSL* is tied to its connection in one of two ways:
  *  - socket BIO (nginx, curl, CPython's blocking ssl): the read/write syscall
  *    made inside the SSL call names the fd (http.c records SSL* -> conn);
- *  - memory BIO (asyncio/uvicorn): no syscall inside the call; the thread's last
- *    traced recv names the fd (the event loop recv()s the record, then SSL_read_ex
- *    decrypts it on the same thread).
+ *  - memory BIO (asyncio, uvloop): no syscall inside the call. The bytes name the
+ *    fd: SSL_set_bio(ssl, rbio, wbio) gives rbio -> SSL*, and the event loop feeds
+ *    the ciphertext a socket read returned into rbio with BIO_write right after that
+ *    read, on the same thread, before any other read. So BIO_write(rbio, buf, n) with
+ *    n equal to the thread's last read ties SSL* to that read's connection. The tie
+ *    cannot race another client's handshake, as the thread's history at SSL_read
+ *    time can (uvloop defers the first SSL_read after the handshake). For an SSL*
+ *    made before the agent attached, the thread's last read is the fallback.
  * Either way the connection is marked TLS and its ciphertext is no longer
  * emitted. Costs a task-storage write per SSL call plus one EV_DATA record.
  * Requires http.c (shares its maps).
@@ -29,6 +34,44 @@ static __always_inline int ssl_enter(struct pt_regs *ctx, __u8 dir, int ex)
     a.direction = dir;
     t->ssl = a;
     t->ssl_active = 1;
+    return 0;
+}
+
+/* memory BIO (read side) -> the SSL* it feeds; LRU: BIO_free is not traced */
+BPF_TABLE("lru_hash", __u64, __u64, bio_ssl, SITS_MAX_CONNS);
+
+static __always_inline int set_bio(struct pt_regs *ctx)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    if (!traced_tgid(id >> 32))
+        return 0;
+    __u64 ssl = PT_REGS_PARM1(ctx);
+    __u64 rbio = PT_REGS_PARM2(ctx);
+    if (rbio)
+        bio_ssl.update(&rbio, &ssl);
+    return 0;
+}
+
+static __always_inline int bio_write(struct pt_regs *ctx)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    if (!traced_tgid(id >> 32))
+        return 0;
+    __u64 bio = PT_REGS_PARM1(ctx);
+    __u64 *ssl = bio_ssl.lookup(&bio);
+    if (!ssl)
+        return 0; /* not a read BIO the agent saw attached (socket BIOs end here) */
+    struct thread_io *t = thread_state(id, 0);
+    if (!t || !t->last_read_conn || t->last_read_len != (__u32)PT_REGS_PARM3(ctx))
+        return 0;
+    __u64 k = t->last_read_conn;
+    __u64 s = *ssl;
+    struct conn_state *st = conns.lookup(&k);
+    if (!st)
+        return 0;
+    ssl_conns.update(&s, &k);
+    st->tls = 1;
+    st->ssl = s;
     return 0;
 }
 
@@ -105,3 +148,5 @@ int sits_ssl_write_enter(struct pt_regs *ctx) { return ssl_enter(ctx, 1, 0); }
 int sits_ssl_read_ex_enter(struct pt_regs *ctx) { return ssl_enter(ctx, 0, 1); }
 int sits_ssl_write_ex_enter(struct pt_regs *ctx) { return ssl_enter(ctx, 1, 1); }
 int sits_ssl_exit(struct pt_regs *ctx) { return ssl_exit(ctx); }
+int sits_ssl_set_bio(struct pt_regs *ctx) { return set_bio(ctx); }
+int sits_bio_write(struct pt_regs *ctx) { return bio_write(ctx); }

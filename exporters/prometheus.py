@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from sits_trace.agent.model import Span
 
+from . import _genai
 from ._base import ExporterStats
 from ._red import LABELS, HistogramData, RedAggregator
 
@@ -77,13 +78,14 @@ class SitsCollector(Collector):
     def __init__(self, red: RedAggregator, exporter_stats: ExporterStatsFn,
                  usage: ProcessUsage | None = None) -> None:
         self.red = red
+        self.genai = _genai.GenAiAggregator()
         self.exporter_stats = exporter_stats
         self.agent_stats: AgentStats | None = None
         self.node_samples: NodeSamples | None = None
         self.usage = usage
 
     def collect(self) -> Iterator[Metric]:
-        for fn in (self._red, self._agent, self._node, self._exporters, self._process):
+        for fn in (self._red, self._genai, self._agent, self._node, self._exporters, self._process):
             try:
                 yield from fn()
             except Exception:
@@ -103,6 +105,17 @@ class SitsCollector(Collector):
             yield fam
             overflow.add_metric([prom_name], self.red.overflowed(otel_name))
         yield overflow
+
+    def _genai(self) -> Iterator[Metric]:
+        for otel_name, (_, buckets) in _genai.METRICS.items():
+            bounds = [str(b) for b in buckets] + ["+Inf"]
+            fam = HistogramMetricFamily(otel_name.replace(".", "_") + "_seconds",
+                                        f"OTel GenAI semconv {otel_name}, from streamed responses"
+                                        " on the node.", labels=list(_genai.LABELS),
+                                        unit="seconds")
+            for labels, h in sorted(self.genai.snapshot(otel_name).items()):
+                fam.add_metric(list(labels), _cumulative(bounds, h), h.sum)
+            yield fam
 
     def _agent(self) -> Iterator[Metric]:
         stats = self.agent_stats() if self.agent_stats is not None else {}
@@ -255,7 +268,9 @@ class PrometheusExporter:
         for s in spans:
             try:
                 exe = s.attributes.get("process.executable.name", "")
-                self.red.observe(s, self._service or str(exe) or "unknown_service")
+                service = self._service or str(exe) or "unknown_service"
+                self.red.observe(s, service)
+                self.collector.genai.observe(s, service)
             except Exception:
                 log.debug("prometheus: span skipped", exc_info=True)
         with self._lock:

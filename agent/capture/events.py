@@ -53,7 +53,8 @@ class ConnEventC(ctypes.Structure):
         ("comm", ctypes.c_char * TASK_COMM_LEN),
         ("role", ctypes.c_uint8),
         ("tls", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 6),
+        ("local_port", ctypes.c_uint16),
+        ("_pad", ctypes.c_uint8 * 4),
     ]
 
 
@@ -110,6 +111,7 @@ class ConnEvent:
     tls: bool
     bytes_in: int
     bytes_out: int
+    local_port: int = 0
 
 
 @dataclass(slots=True)
@@ -163,7 +165,7 @@ def _decode_conn(raw: bytes) -> ConnEvent:
         listen_fd=c.listen_fd, role=Role(c.role),
         peer_address=format_address(c.family, bytes(c.peer_addr)), peer_port=c.peer_port,
         comm=c.comm.decode("utf-8", "replace"), tls=bool(c.tls),
-        bytes_in=c.bytes_in, bytes_out=c.bytes_out,
+        bytes_in=c.bytes_in, bytes_out=c.bytes_out, local_port=c.local_port,
     )
 
 

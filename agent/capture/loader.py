@@ -23,7 +23,7 @@ from sits_trace.agent.config import default_cpu_budget
 from . import bpfsrc, ringbuf
 from .probes import (
     HTTP_TRACEPOINTS,
-    TLS_UPROBES,
+    TLS_LIBRARIES,
     ProbeError,
     ProbeReport,
     ProbeStatus,
@@ -33,6 +33,7 @@ from .probes import (
     find_libraries,
     tracefs_root,
 )
+from .btf import socket_walk_defines
 from .ringbuf import MmapRing
 from .shedding import LoadShedder
 
@@ -201,6 +202,7 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
         "SITS_MAX_PAYLOAD": opts.max_payload,
         "SITS_FILTER_PIDS": 1 if opts.target_pids else 0,
         **{d: 1 for d in missing_defines},
+        **socket_walk_defines(),  # {} without kernel BTF: addresses then come from /proc
         **opts.extra_defines,
     }
     text = bpfsrc.program_text(files)
@@ -221,8 +223,10 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
     for pid in opts.target_pids:
         k.add_target_pid(pid)
     if opts.tls:
-        for lib in find_libraries("libssl", extra=opts.ssl_libraries):
-            k.attach_uprobes(lib, TLS_UPROBES)
+        for short, probes in TLS_LIBRARIES:
+            extra = opts.ssl_libraries if short == "libssl" else ()
+            for lib in find_libraries(short, extra=extra):
+                k.attach_uprobes(lib, probes)
     return k
 
 

@@ -66,7 +66,15 @@ TLS_UPROBES: tuple[Uprobe, ...] = (
     Uprobe("SSL_write", "sits_ssl_write_enter", "sits_ssl_exit", "tls", "libssl"),
     Uprobe("SSL_read_ex", "sits_ssl_read_ex_enter", "sits_ssl_exit", "tls", "libssl"),
     Uprobe("SSL_write_ex", "sits_ssl_write_ex_enter", "sits_ssl_exit", "tls", "libssl"),
+    Uprobe("SSL_set_bio", "sits_ssl_set_bio", "", "tls", "libssl"),
 )
+# memory-BIO TLS (asyncio, uvloop): the ciphertext fed to an SSL* ties it to its socket
+BIO_UPROBES: tuple[Uprobe, ...] = (
+    Uprobe("BIO_write", "sits_bio_write", "", "tls", "libcrypto"),
+)
+# TLS probes by library: each library found on the system or mapped by a process gets its set
+TLS_LIBRARIES: tuple[tuple[str, tuple[Uprobe, ...]], ...] = (
+    ("libssl", TLS_UPROBES), ("libcrypto", BIO_UPROBES))
 
 
 @dataclass(slots=True)

@@ -103,6 +103,7 @@ class _Half:
         "resp",
         "sol",
         "state",
+        "tap",
     )
 
     def __init__(self, kind: int) -> None:
@@ -115,6 +116,7 @@ class _Half:
         self.line_checked = False  # the buffered head's first line was checked
         self.sol = False  # while resyncing: buf begins at a line start
         self.fresh = True  # nothing seen yet (TLS check pending)
+        self.tap = False  # keep a bounded head/tail of this message's body (model routes)
         self.req: RequestHead | None = None  # request whose body is being read
         self.resp: ResponseHead | None = None  # response whose body is being read
         self.pending: _Pending | None = None
@@ -216,7 +218,7 @@ class HttpConnParser:
                     take = min(end - pos, h.remaining)
                     pos += take
                     h.remaining -= take
-                    self._body(h, take, chunk)
+                    self._body(h, take, chunk, data[pos - take:pos])
                     if not h.remaining:
                         if st == _LENGTH:
                             self._complete(h, chunk)
@@ -269,7 +271,7 @@ class HttpConnParser:
         if st == _TRAILER:
             return self._trailer(h, data, pos, chunk)
         if st == _CLOSE:
-            self._body(h, len(data) - pos, chunk)
+            self._body(h, len(data) - pos, chunk, data[pos:])
             return len(data)
         if st == _LOST:
             return self._lost(h, data, pos, chunk)
@@ -406,6 +408,7 @@ class HttpConnParser:
         else:
             p.response = resp
             method = p.request.method
+            h.tap = is_model_route(p.request.target)
         h.resp = resp
         h.pending = p
         h.body_feed = 0
@@ -418,6 +421,7 @@ class HttpConnParser:
         ctype = d.get("content-type")
         if ctype is not None and ctype[:17].lower() == "text/event-stream":
             resp.streamed = True
+            resp.sse = True
         cl = d.get("content-length")
         if cl is not None and "transfer-encoding" not in d:
             n = _content_length(cl)
@@ -446,6 +450,7 @@ class HttpConnParser:
         h.remaining = n
         h.req = req
         h.pending = p
+        h.tap = is_model_route(req.target)
         return True
 
     def _bad_request(self, h: _Half, p: _Pending) -> bool:
@@ -483,7 +488,8 @@ class HttpConnParser:
 
     # ---- bodies ----
 
-    def _body(self, h: _Half, n: int, chunk: Chunk) -> None:
+    def _body(self, h: _Half, n: int, chunk: Chunk, data: bytes = b"") -> None:
+        """`n` body bytes moved; `data` is the captured part of them (may be shorter)."""
         r = h.resp
         if r is not None:
             r.body_bytes += n
@@ -493,12 +499,18 @@ class HttpConnParser:
                 r.body_chunks += 1
                 if r.first_body_ns is None:
                     r.first_body_ns = chunk.ts_enter_ns
+                elif r.last_body_ns is not None:
+                    r.max_gap_ns = max(r.max_gap_ns, chunk.ts_enter_ns - r.last_body_ns)
             r.last_body_ns = chunk.ts_exit_ns
+            if data and (r.sse or h.tap):
+                _tap_response(r, data, h.tap)
             return
         q = h.req
         if q is not None:
             q.body_bytes += n
             q.end_ns = chunk.ts_exit_ns
+            if data and h.tap:
+                _tap_request(q, data)
 
     def _chunk_size(self, h: _Half, data: bytes, pos: int, chunk: Chunk) -> int:
         nl = data.find(b"\n", pos)
@@ -569,7 +581,7 @@ class HttpConnParser:
         if pos == 0 and _find_start(data[: self._max_header_bytes], h.kind, True, 0) == 0:
             self._end_lost(h, chunk)
             return 0
-        self._body(h, len(data) - pos, chunk)
+        self._body(h, len(data) - pos, chunk, data[pos:])
         if data.endswith(b"0\r\n\r\n"):
             self._complete(h, chunk)
         return len(data)
@@ -714,6 +726,7 @@ class HttpConnParser:
         h.state = _HEAD
         h.req = h.resp = h.pending = None
         h.body_feed = 0
+        h.tap = False
         if p is not None and p.req_done and p.resp_done:
             self._emit_ready()
 
@@ -735,7 +748,9 @@ class HttpConnParser:
         p = h.pending
         if h.resp is not None:
             if p is not None:
-                if h.state != _CLOSE and p.error is None:
+                # a client that stops reading after an OpenAI-style `data: [DONE]` (the
+                # openai SDK closes before the chunked terminator) got the whole stream
+                if h.state != _CLOSE and p.error is None and not h.resp.sse_done:
                     p.error = ERR_INCOMPLETE
                 p.resp_done = True
         elif p is not None:
@@ -939,3 +954,36 @@ def _request_at(region: bytes, start: int, i: int) -> bool:
         return False
     parts = line[:-1].split(b" ")
     return len(parts) == 2 and parts[0] in _KNOWN_METHODS_B and bool(parts[1])
+
+
+# ---- bounded body taps: what GenAI attributes need, never the text itself ----
+
+TAP_BYTES = 2048  # head and tail kept per message of a model-serving route
+# paths whose bodies carry model, token counts and usage (OpenAI-compatible servers: vLLM,
+# SGLang, TGI's /v1, llama.cpp; Ollama's /api/generate and /api/chat; TGI's /generate)
+MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/generate",
+                "/api/chat", "/generate", "/generate_stream", "/v1/responses")
+
+
+def is_model_route(target: str) -> bool:
+    path = target.split("?", 1)[0]
+    return path.endswith(MODEL_ROUTES)
+
+
+def _tap_request(q: RequestHead, data: bytes) -> None:
+    if len(q.body_head) < TAP_BYTES:
+        q.body_head += data[: TAP_BYTES - len(q.body_head)]
+    q.body_tail = (q.body_tail + data)[-TAP_BYTES:]
+
+
+def _tap_response(r: ResponseHead, data: bytes, keep: bool) -> None:
+    if r.sse:
+        # `data:` lines; one split across two writes is counted in the second (carry)
+        seen = r.body_tail[-6:] + data
+        r.sse_events += seen.count(b"\ndata:") + (1 if seen.startswith(b"data:") else 0) \
+            - r.body_tail[-6:].count(b"\ndata:")
+        if b"data: [DONE]" in seen:
+            r.sse_done = True
+    if keep or r.sse:
+        r.body_tail = (r.body_tail + data)[-TAP_BYTES:]
+

@@ -185,6 +185,8 @@ class Tracer:
                             peer_port=ev.peer_port, comm=self._exe_name(ev.pid, ev.comm))
             if ev.role is Role.SERVER:
                 info.local_address, info.local_port = self._listener(ev.pid, ev.listen_fd)
+            if ev.local_port:  # the kernel read it off the socket (bpf/http.c socket walk)
+                info.local_port = ev.local_port
             # a client's own port is not needed (server.* is its peer): /proc only for what a
             # span shows and the probes could not see
             if not info.peer_address or (ev.role is Role.SERVER and not info.local_port):

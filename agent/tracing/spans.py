@@ -24,6 +24,8 @@ from sits_trace.agent.model import (
     Role,
     Span,
 )
+from sits_trace.agent.tracing.genai import genai_attributes
+from sits_trace.agent.tracing.http1 import is_model_route
 
 from .redact import QueryRedactor, strip_userinfo
 
@@ -95,6 +97,8 @@ class SpanBuilder:
         attrs.update(_connection_attributes(conn, req, client))
         if resp is not None:
             attrs.update(_response_attributes(req, resp))
+        if path and is_model_route(path):
+            attrs.update(genai_attributes(path, req, resp))
         error = _error_type(ex, client)
         if error is not None:
             attrs["error.type"] = error
