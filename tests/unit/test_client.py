@@ -216,6 +216,8 @@ def test_null_decisions_mean_default(sock_path: str) -> None:
 
 
 class FakeCuda:
+    Stream: type | None = None
+
     def __init__(self, available: bool) -> None:
         self.available = available
 
@@ -223,9 +225,18 @@ class FakeCuda:
         return self.available
 
 
-def fake_torch(available: bool) -> types.ModuleType:
+class FakeStream:
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return (0, -3)  # what an H200 with torch 2.11 answers
+
+
+def fake_torch(available: bool, ranged: bool = False) -> types.ModuleType:
+    cuda = FakeCuda(available)
+    if ranged:
+        cuda.Stream = FakeStream
     m = types.ModuleType("torch")
-    m.cuda = FakeCuda(available)  # type: ignore[attr-defined]
+    m.cuda = cuda  # type: ignore[attr-defined]
     return m
 
 
@@ -233,9 +244,18 @@ def test_stream_priority(sock_path: str) -> None:
     no_agent = client.ControlClient(sock_path)
     assert client.stream_priority(fake_torch(False), no_agent) is None
     assert client.stream_priority(fake_torch(True), no_agent) == 0
-    agent = Agent(sock_path, lambda r: line(GOOD))
+    priority = [-1]
+
+    def reply(r: dict[str, Any]) -> bytes:
+        return line({"ok": True, "version": 1, "decisions": {"stream_priority": priority[0]}})
+
+    agent = Agent(sock_path, reply)
     try:
         assert client.stream_priority(fake_torch(True), client.ControlClient(sock_path)) == -1
+        priority[0] = -9
+        ranged = fake_torch(True, ranged=True)
+        assert client.stream_priority(ranged, client.ControlClient(sock_path)) == -3  # clamped
+        assert client.stream_priority(fake_torch(True), client.ControlClient(sock_path)) == -9
     finally:
         agent.close()
 
