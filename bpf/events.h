@@ -1,8 +1,9 @@
 /* Event records and maps shared by every sits-trace program.
  *
  * Layout rules: a kind field first, then the largest fields first, explicit
- * _pad, never packed. agent/events.py mirrors these structs with ctypes and a
- * test checks both against what BCC derives from this file.
+ * _pad, never packed. agent/capture/wire.py mirrors every record, map key/value the
+ * agent reads and enum of bpf/ with ctypes; tests/integration/test_layout.py checks the
+ * mirror against what BCC derives from the C (sizes, offsets, enum values).
  *
  * All programs write to one ring buffer, `events`. The agent reads it on a timer
  * (trace.poll_ms), in batches; a record is committed without waking the reader

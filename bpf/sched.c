@@ -14,6 +14,9 @@
  * or do traced I/O. Costs two hash lookups per context switch and one per wakeup, node-wide;
  * nothing is sent through the ring. No kernel struct is read.
  */
+#ifndef SITS_SCHED
+#define SITS_SCHED 1 /* this file is loaded: events.h keeps the per-thread run-queue counters */
+#endif
 #include "events.h"
 
 #ifndef SITS_SCHED_ALL

@@ -13,9 +13,10 @@
  * node totals in `tcp_totals`, TIME_WAIT entries per port in `tcp_tw_ports`. Retransmits and
  * resets, rare events, are also sent as EV_TCP_EVENT records so the agent can place them inside
  * a span's time window. Cost: one hash lookup/update per event, and per received segment for
- * tcp_probe. No kernel struct is read. Requires http.c (uses its `connect_inflight`).
+ * tcp_probe. No kernel struct is read. Uses sockio.h's `connect_inflight` (filled by http.c).
  */
 #include "events.h"
+#include "sockio.h"
 
 #ifndef IPPROTO_TCP
 #define IPPROTO_TCP 6

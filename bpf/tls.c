@@ -14,9 +14,10 @@
  *    made before the agent attached, the thread's last read is the fallback.
  * Either way the connection is marked TLS and its ciphertext is no longer
  * emitted. Costs a task-storage write per SSL call plus one EV_DATA record.
- * Requires http.c (shares its maps).
+ * Shares sockio.h with http.c (per-thread state, SSL* -> connection).
  */
 #include "events.h"
+#include "sockio.h"
 
 static __always_inline int ssl_enter(struct pt_regs *ctx, __u8 dir, int ex)
 {

@@ -1,0 +1,113 @@
+/* Per-thread socket I/O state and EV_DATA emission, shared by http.c (syscalls), tls.c
+ * (OpenSSL uprobes) and tcp.c (which socket a traced connect() made). Each of those files
+ * includes this header, so each compiles on its own; the agent inlines it once
+ * (agent/capture/bpfsrc.py) when it loads them together.
+ */
+#ifndef SITS_SOCKIO_H
+#define SITS_SOCKIO_H
+
+#include "events.h"
+
+struct accept_args {
+    __u64 addr; /* struct sockaddr __user * */
+    __s32 listen_fd;
+    __u32 _pad;
+};
+
+struct connect_args {
+    __u64 addr;
+    __s32 fd;
+    __u32 _pad;
+};
+
+/* a read/write in flight on a traced fd */
+struct io_args {
+    __u64 buf;    /* buffer, or struct iovec array when iov */
+    __u64 ts_ns;  /* at syscall entry */
+    __u64 conn;   /* conn key */
+    __u32 iovcnt; /* 0: plain buffer */
+    __u8 direction;
+    __u8 source;
+    __u8 _pad[2];
+};
+
+struct ssl_active {
+    __u64 ssl;
+    __u64 buf;
+    __u64 out_len; /* size_t * for the _ex variants, 0 otherwise */
+    __u64 ts_ns;
+    __u8 direction;
+    __u8 _pad[7];
+};
+
+BPF_HASH(accept_inflight, __u64, struct accept_args, 10240);
+BPF_HASH(connect_inflight, __u64, struct connect_args, 10240);
+/* Per thread: the read/write in flight on a traced fd, the SSL call in flight (tls.c) and
+ * the last traced connection read from (memory-BIO TLS, asyncio). */
+struct thread_io {
+    struct io_args io;
+    struct ssl_active ssl;
+    __u64 last_read_conn; /* conn key; 0: none */
+    __u32 last_read_len;  /* bytes that read returned (tls.c matches them to BIO_write) */
+    __u8 io_active;
+    __u8 ssl_active;
+    __u8 _pad[2];
+};
+#ifndef SITS_TASK_STORAGE
+#define SITS_TASK_STORAGE 1
+#endif
+#if SITS_TASK_STORAGE
+/* task-local storage: one pointer chase per lookup, where a hash keyed by thread id cost
+ * three hash operations per traced syscall (update, lookup, delete) */
+BPF_TASK_STORAGE(thread_io, struct thread_io);
+static __always_inline struct thread_io *thread_state(__u64 id, int create)
+{
+    struct task_struct *t = bpf_get_current_task_btf();
+    return thread_io.task_storage_get(t, 0, create ? BPF_LOCAL_STORAGE_GET_F_CREATE : 0);
+}
+#else
+/* kernels without task storage in tracing programs (before 5.11): a hash by thread id */
+BPF_TABLE("lru_hash", __u64, struct thread_io, thread_io, 16384);
+static __always_inline struct thread_io *thread_state(__u64 id, int create)
+{
+    struct thread_io *t = thread_io.lookup(&id);
+    if (t || !create)
+        return t;
+    struct thread_io zero = {};
+    thread_io.update(&id, &zero);
+    return thread_io.lookup(&id);
+}
+#endif
+/* SSL* -> conn key (tls.c learns it; http.c records it from syscalls inside SSL calls) */
+BPF_HASH(ssl_conns, __u64, __u64, SITS_MAX_CONNS);
+
+static __always_inline void emit_data(struct data_event *ev, __u64 captured)
+{
+    __u64 n = captured;
+    if (n > SITS_MAX_PAYLOAD)
+        n = SITS_MAX_PAYLOAD;
+    asm volatile("" : "+r"(n));
+    if (n > SITS_MAX_PAYLOAD)
+        return; /* never: a bound the verifier can see on the register it checks */
+    ev->captured = n;
+    submit(ev, DATA_HDR_SIZE + n, EV_DATA);
+}
+
+static __always_inline struct data_event *data_event_init(__u64 id, __u64 conn_id, __u8 role)
+{
+    int zero = 0;
+    struct data_scratch_t *sc = data_scratch.lookup(&zero);
+    if (!sc)
+        return 0;
+    struct data_event *ev = &sc->ev;
+    ev->kind = EV_DATA;
+    ev->tgid = id >> 32;
+    ev->tid = (__u32)id;
+    ev->conn_id = conn_id;
+    ev->role = role;
+    ev->ssl = 0;
+    ev->runq_us = (__u32)(runq_snapshot(id) / 1000);
+    return ev;
+}
+
+#endif /* SITS_SOCKIO_H */
