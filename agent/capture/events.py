@@ -1,98 +1,41 @@
-"""The Python mirror of bpf/events.h, and the decoder of raw ring-buffer records.
+"""The decoder of raw ring-buffer records (bpf/events.h's EV_CONN_*, EV_DATA, EV_PROC_*).
 
-One mirror (ctypes) of each record header; tests/unit/test_events.py checks it
-against the C file and tests/integration checks it against the layout BCC
-derives, so recorded fixtures decode without a kernel.
+The record layouts are mirrored once, in wire.py (checked against what BCC derives from
+the C by tests/integration/test_layout.py); here they become plain events, so recorded
+fixtures decode without a kernel. Records of the signal programs (tcp.c, cuda.c) are
+decoded by their own modules under agent/signals/.
 """
 
 from __future__ import annotations
 
 import ctypes
-import enum
 import ipaddress
 import struct
 from dataclasses import dataclass
 
 from sits_trace.agent.model import Direction, Role
 
-TASK_COMM_LEN = 16
+from .wire import (
+    AF_INET,
+    AF_INET6,
+    DATA_GAP,
+    DATA_HDR_SIZE,
+    DATA_SAMPLE_SHIFT,
+    TASK_COMM_LEN,
+    ConnEventC,
+    DataEventHdrC,
+    Kind,
+    ProcEventC,
+    Source,
+)
 
+__all__ = [  # the wire names decoders and tests reach through this module
+    "AF_INET", "AF_INET6", "DATA_GAP", "DATA_HDR_SIZE", "DATA_SAMPLE_SHIFT", "TASK_COMM_LEN",
+    "ConnEvent", "ConnEventC", "DataEvent", "DataEventHdrC", "DecodeError", "Event", "Kind",
+    "ProcEvent", "ProcEventC", "Source", "decode", "format_address",
+]
 
-class Kind(enum.IntEnum):
-    CONN_OPEN = 1
-    CONN_CLOSE = 2
-    DATA = 3
-    PROC_EXEC = 4
-    PROC_EXIT = 5
-    TCP_EVENT = 6  # decoded by netsignals.py
-    CUDA_COPY = 9  # decoded by cuda.py
-    CUDA_MEM = 10  # decoded by cuda.py
-    CUDA_INIT = 11  # decoded by cuda.py
-
-
-class Source(enum.IntEnum):
-    SYSCALL = 0
-    TLS = 1
-    SENDFILE = 2
-
-
-class ConnEventC(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_uint32),
-        ("tgid", ctypes.c_uint32),
-        ("conn_id", ctypes.c_uint64),
-        ("ts_ns", ctypes.c_uint64),
-        ("bytes_in", ctypes.c_uint64),
-        ("bytes_out", ctypes.c_uint64),
-        ("tid", ctypes.c_uint32),
-        ("fd", ctypes.c_int32),
-        ("listen_fd", ctypes.c_int32),
-        ("family", ctypes.c_uint16),
-        ("peer_port", ctypes.c_uint16),
-        ("peer_addr", ctypes.c_uint8 * 16),
-        ("comm", ctypes.c_char * TASK_COMM_LEN),
-        ("role", ctypes.c_uint8),
-        ("tls", ctypes.c_uint8),
-        ("local_port", ctypes.c_uint16),
-        ("_pad", ctypes.c_uint8 * 4),
-    ]
-
-
-class DataEventHdrC(ctypes.Structure):
-    """struct data_event without its payload array."""
-
-    _fields_ = [
-        ("kind", ctypes.c_uint32),
-        ("tgid", ctypes.c_uint32),
-        ("conn_id", ctypes.c_uint64),
-        ("ts_enter_ns", ctypes.c_uint64),
-        ("ts_exit_ns", ctypes.c_uint64),
-        ("ssl", ctypes.c_uint64),
-        ("tid", ctypes.c_uint32),
-        ("fd", ctypes.c_int32),
-        ("len", ctypes.c_uint32),
-        ("captured", ctypes.c_uint32),
-        ("direction", ctypes.c_uint8),
-        ("source", ctypes.c_uint8),
-        ("role", ctypes.c_uint8),
-        ("flags", ctypes.c_uint8),
-        ("runq_us", ctypes.c_uint32),
-    ]
-
-
-class ProcEventC(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_uint32),
-        ("tgid", ctypes.c_uint32),
-        ("ts_ns", ctypes.c_uint64),
-        ("comm", ctypes.c_char * TASK_COMM_LEN),
-    ]
-
-
-DATA_HDR_SIZE = ctypes.sizeof(DataEventHdrC)
-_DATA_KIND = (3).to_bytes(4, "little")
-AF_INET = 2
-AF_INET6 = 10
+_DATA_KIND = int(Kind.DATA).to_bytes(4, "little")
 
 
 @dataclass(slots=True)
@@ -169,8 +112,6 @@ def _decode_conn(raw: bytes) -> ConnEvent:
     )
 
 
-DATA_SAMPLE_SHIFT = 0x1F  # struct data_event flags (bpf/events.h)
-DATA_GAP = 0x80
 _DATA_HDR = struct.Struct("<IIQQQQIiIIBBBBI")  # = DataEventHdrC, checked by a test
 _DIRECTIONS = tuple(Direction)
 _SOURCES = tuple(Source)

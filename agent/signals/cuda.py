@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
-import enum
 import os
 import threading
 import time
@@ -26,13 +25,26 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sits_trace.agent.capture.events import DecodeError, Kind
+from sits_trace.agent.capture.events import DecodeError
 from sits_trace.agent.capture.probes import (
     ProbeStatus,
     Uprobe,
     elf_has_symbol,
     find_libraries,
     mapped_libraries,
+)
+from sits_trace.agent.capture.wire import (
+    CopyDir,
+    CudaApi,
+    CudaCopyEventC,
+    CudaInitEventC,
+    CudaMemEventC,
+    CudaProcC,
+    CudaSlotC,
+    CudaSlotKeyC,
+    Kind,
+    MemKind,
+    MemOp,
 )
 from sits_trace.agent.model import Check
 
@@ -102,117 +114,6 @@ CUDA_UPROBES: tuple[Uprobe, ...] = (
 # the symbols without which the CUDA signals say little (doctor reports the rest as optional)
 CORE_SYMBOLS = ("cuLaunchKernel", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
                 "cuStreamSynchronize")
-
-
-class CopyDir(enum.IntEnum):
-    UNKNOWN = 0
-    H2D = 1
-    D2H = 2
-    D2D = 3
-
-
-class CudaApi(enum.IntEnum):
-    """bpf/cuda.c enum cuda_api: the entry point a call came through."""
-
-    MEMCPY_HTOD = 1
-    MEMCPY_DTOH = 2
-    MEMCPY_DTOD = 3
-    MEMCPY = 4
-    MEMCPY_HTOD_ASYNC = 5
-    MEMCPY_DTOH_ASYNC = 6
-    MEMCPY_DTOD_ASYNC = 7
-    MEMCPY_ASYNC = 8
-    STREAM_SYNC = 16
-    CTX_SYNC = 17
-    EVENT_SYNC = 18
-    MEM_ALLOC = 32
-    MEM_ALLOC_ASYNC = 33
-    MEM_ALLOC_MANAGED = 34
-    MEM_HOST_ALLOC = 35
-    MEM_ALLOC_HOST = 36
-    MEM_HOST_REGISTER = 37
-    MEM_MAP = 38
-    MEM_FREE = 48
-    MEM_FREE_ASYNC = 49
-    MEM_FREE_HOST = 50
-    MEM_HOST_UNREGISTER = 51
-    MEM_UNMAP = 52
-
-
-class MemKind(enum.IntEnum):
-    DEVICE = 1
-    HOST = 2  # pinned host memory allocated by the driver
-    MANAGED = 3
-    REGISTERED = 4  # pinned host memory registered with cuMemHostRegister
-    MAPPED = 5  # device memory mapped with cuMemMap (virtual memory management)
-
-
-class MemOp(enum.IntEnum):
-    ALLOC = 1
-    FREE = 2
-
-
-# ---- mirrors of bpf/cuda.c (tests/integration/test_cuda_probes.py checks them against BCC) ----
-
-class CudaCopyEventC(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_uint32),
-        ("tgid", ctypes.c_uint32),
-        ("ts_enter_ns", ctypes.c_uint64),
-        ("ts_exit_ns", ctypes.c_uint64),
-        ("bytes", ctypes.c_uint64),
-        ("dst", ctypes.c_uint64),
-        ("src", ctypes.c_uint64),
-        ("stream", ctypes.c_uint64),
-        ("tid", ctypes.c_uint32),
-        ("result", ctypes.c_int32),
-        ("direction", ctypes.c_uint8),
-        ("api", ctypes.c_uint8),
-        ("is_async", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 5),
-    ]
-
-
-class CudaMemEventC(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_uint32),
-        ("tgid", ctypes.c_uint32),
-        ("ts_ns", ctypes.c_uint64),
-        ("ptr", ctypes.c_uint64),
-        ("bytes", ctypes.c_uint64),
-        ("tid", ctypes.c_uint32),
-        ("result", ctypes.c_int32),
-        ("op", ctypes.c_uint8),
-        ("mem", ctypes.c_uint8),
-        ("api", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 5),
-    ]
-
-
-class CudaInitEventC(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_uint32),
-        ("tgid", ctypes.c_uint32),
-        ("ts_ns", ctypes.c_uint64),
-        ("tid", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint32),
-    ]
-
-
-class CudaProcC(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in (
-        "launches", "graph_launches", "h2d_bytes", "h2d_copies", "d2h_bytes", "d2h_copies",
-        "d2d_bytes", "d2d_copies", "other_bytes", "other_copies", "copy_call_ns", "sync_ns",
-        "syncs", "failed")]
-
-
-class CudaSlotKeyC(ctypes.Structure):
-    _fields_ = [("slot", ctypes.c_uint64), ("tgid", ctypes.c_uint32), ("_pad", ctypes.c_uint32)]
-
-
-class CudaSlotC(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("launches", "graph_launches", "syncs", "sync_ns",
-                                               "first_ns", "last_ns")]
 
 
 @dataclass(frozen=True, slots=True)

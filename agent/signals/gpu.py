@@ -42,13 +42,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sits_trace.agent.capture.wire import CopyDir
 from sits_trace.agent.model import Exchange, Span
 
 from .cuda import (
     CUDA_PROGRAM,
     DEFAULT_SLOT_SHIFT,
     BccCudaMaps,
-    CopyDir,
     CudaProbes,
     CudaSignals,
     CudaWindow,

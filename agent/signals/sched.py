@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from sits_trace.agent.capture.bpfmaps import MapAccess, u32
 from sits_trace.agent.capture.events import DataEvent
 from sits_trace.agent.capture.probes import Tracepoint
+from sits_trace.agent.capture.wire import RUNQ_SLOTS, RunqHistKeyC, RunqProcC, RunqThreadC
 from sits_trace.agent.model import Direction, Exchange, Span
 
 SCHED_PROGRAM = "sched.c"
@@ -38,25 +39,7 @@ SCHED_TRACEPOINTS: tuple[Tracepoint, ...] = (
     Tracepoint("sched", "sched_wakeup_new", "sched", False),
     Tracepoint("sched", "sched_switch", "sched", False),
 )
-RUNQ_SLOTS = 32
 _WRAP = 1 << 32  # EV_DATA.runq_us is the low 32 bits of the counter in microseconds
-
-
-class RunqThreadC(ctypes.Structure):
-    _fields_ = [
-        ("delay_ns", ctypes.c_uint64),
-        ("count", ctypes.c_uint64),
-        ("tgid", ctypes.c_uint32),
-        ("untimed", ctypes.c_uint32),
-    ]
-
-
-class RunqProcC(ctypes.Structure):
-    _fields_ = [("delay_ns", ctypes.c_uint64), ("count", ctypes.c_uint64)]
-
-
-class RunqHistKeyC(ctypes.Structure):
-    _fields_ = [("tgid", ctypes.c_uint32), ("slot", ctypes.c_uint32)]
 
 
 @dataclass(frozen=True, slots=True)

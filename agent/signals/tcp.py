@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import enum
 import functools
 import ipaddress
 import time
@@ -28,8 +27,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sits_trace.agent.capture.bpfmaps import MapAccess, u64
-from sits_trace.agent.capture.events import DecodeError, Kind
+from sits_trace.agent.capture.events import DecodeError
 from sits_trace.agent.capture.probes import Tracepoint
+from sits_trace.agent.capture.wire import (
+    Kind,
+    TcpConnC,
+    TcpEventC,
+    TcpEventType,
+    TcpKeyC,
+    TcpPeerKeyC,
+    TcpTotal,
+    TwKeyC,
+)
 from sits_trace.agent.model import ConnInfo, Exchange, Role, Span
 
 TCP_PROGRAM = "tcp.c"
@@ -43,91 +52,6 @@ TCP_TRACEPOINTS: tuple[Tracepoint, ...] = (
 )
 TCP_TIMEWAIT_LEN_S = 60  # include/net/tcp.h: how long a TIME_WAIT socket lives
 _WILDCARD = ("", "0.0.0.0", "::")
-
-
-class TcpKeyC(ctypes.Structure):
-    _fields_ = [
-        ("laddr", ctypes.c_uint8 * 16),
-        ("raddr", ctypes.c_uint8 * 16),
-        ("lport", ctypes.c_uint16),
-        ("rport", ctypes.c_uint16),
-    ]
-
-
-class TcpConnC(ctypes.Structure):
-    _fields_ = [
-        ("opened_ns", ctypes.c_uint64),
-        ("closed_ns", ctypes.c_uint64),
-        ("retransmits", ctypes.c_uint64),
-        ("srtt_us", ctypes.c_uint32),
-        ("resets_in", ctypes.c_uint32),
-        ("resets_out", ctypes.c_uint32),
-        ("state", ctypes.c_uint8),
-        ("active", ctypes.c_uint8),
-        ("time_wait", ctypes.c_uint8),
-        ("rst_pending", ctypes.c_uint8),
-    ]
-
-
-class TcpEventC(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_uint32),
-        ("state", ctypes.c_uint32),
-        ("ts_ns", ctypes.c_uint64),
-        ("key", TcpKeyC),
-        ("type", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8),
-        ("reason", ctypes.c_uint16),
-    ]
-
-
-class TcpPeerKeyC(ctypes.Structure):
-    _fields_ = [
-        ("raddr", ctypes.c_uint8 * 16),
-        ("rport", ctypes.c_uint16),
-        ("lport", ctypes.c_uint16),
-    ]
-
-
-class TwKeyC(ctypes.Structure):
-    _fields_ = [("port", ctypes.c_uint16), ("side", ctypes.c_uint8), ("_pad", ctypes.c_uint8)]
-
-
-class TcpEventType(enum.IntEnum):
-    RETRANS = 1
-    SYNACK_RETRANS = 2
-    RST_OUT = 3
-    RST_IN = 4
-
-
-class TcpTotal(enum.IntEnum):
-    """Index of `tcp_totals`; the names become the per-second rates' names."""
-
-    RETRANSMITS = 0
-    RETRANSMIT_FAILURES = 1
-    SYNACK_RETRANSMITS = 2
-    RESETS_OUT = 3
-    RESETS_IN = 4
-    OPENS_ACTIVE = 5
-    OPENS_PASSIVE = 6
-    CLOSES = 7
-    TIME_WAIT_ENTRIES = 8
-    RTT_SAMPLES = 9
-
-
-class TcpState(enum.IntEnum):
-    ESTABLISHED = 1
-    SYN_SENT = 2
-    SYN_RECV = 3
-    FIN_WAIT1 = 4
-    FIN_WAIT2 = 5
-    TIME_WAIT = 6
-    CLOSE = 7
-    CLOSE_WAIT = 8
-    LAST_ACK = 9
-    LISTEN = 10
-    CLOSING = 11
-    NEW_SYN_RECV = 12
 
 
 @functools.lru_cache(maxsize=4096)

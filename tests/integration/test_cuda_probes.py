@@ -18,18 +18,20 @@ from pathlib import Path
 import pytest
 from sits_trace.agent.capture import bpfsrc
 from sits_trace.agent.capture.events import Kind
-from sits_trace.agent.signals.cuda import (
-    CUDA_PROGRAM,
-    BccCudaMaps,
+from sits_trace.agent.capture.wire import (
     CopyDir,
     CudaApi,
     CudaCopyEventC,
     CudaInitEventC,
     CudaMemEventC,
-    CudaProbes,
-    CudaSignals,
     CudaSlotC,
     CudaSlotKeyC,
+)
+from sits_trace.agent.signals.cuda import (
+    CUDA_PROGRAM,
+    BccCudaMaps,
+    CudaProbes,
+    CudaSignals,
     decode_copy,
 )
 
@@ -332,7 +334,7 @@ def test_mirrors_match_bcc(run: Run) -> None:
                 assert getattr(leaf, fname).offset == getattr(mirror, fname).offset, (name, fname)
     key = run.kernel.bpf["cuda_slots"].Key
     assert ctypes.sizeof(key) == ctypes.sizeof(CudaSlotKeyC)
-    from sits_trace.agent.signals.cuda import CudaProcC
+    from sits_trace.agent.capture.wire import CudaProcC
 
     assert ctypes.sizeof(run.kernel.bpf["cuda_procs"].Leaf) == ctypes.sizeof(CudaProcC)
 

@@ -21,14 +21,10 @@ import pytest
 from sits_trace.agent.capture import loader, probes
 from sits_trace.agent.capture.bpfmaps import BccMaps
 from sits_trace.agent.capture.events import Kind
+from sits_trace.agent.capture.wire import TcpEventType
 from sits_trace.agent.model import ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
 from sits_trace.agent.signals import node as nodesignals
-from sits_trace.agent.signals.tcp import (
-    TcpConnStats,
-    TcpEventType,
-    TcpSignals,
-    TcpTuple,
-)
+from sits_trace.agent.signals.tcp import TcpConnStats, TcpSignals, TcpTuple
 
 from .harness import A_ADDR, A_ADDR6, ADDRS, B_ADDR, B_ADDR6, Netns, netns_pair, sh
 

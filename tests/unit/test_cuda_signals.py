@@ -10,21 +10,23 @@ from pathlib import Path
 import pytest
 from sits_trace.agent.capture.events import DecodeError, Kind
 from sits_trace.agent.capture.loader import RecordedSource
-from sits_trace.agent.model import ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
-from sits_trace.agent.signals.cuda import (
-    CUDA_UPROBES,
-    AddressMap,
+from sits_trace.agent.capture.wire import (
     CopyDir,
     CudaApi,
     CudaCopyEventC,
     CudaInitEventC,
     CudaMemEventC,
     CudaProcC,
-    CudaSignals,
     CudaSlotC,
     CudaSlotKeyC,
-    DictCudaMaps,
     MemKind,
+)
+from sits_trace.agent.model import ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
+from sits_trace.agent.signals.cuda import (
+    CUDA_UPROBES,
+    AddressMap,
+    CudaSignals,
+    DictCudaMaps,
     decode_copy,
     decode_totals,
     slot_key,

@@ -71,9 +71,10 @@ def _emitted_names() -> set[str]:
     """Every metric name the agent can put on /metrics for node signals, from the code that
     makes them (features.py for the frame's rows, the counters of cuda.py and nodesignals)."""
     from sits_trace.agent.capture.bpfmaps import DictMaps, u32
+    from sits_trace.agent.capture.wire import RunqProcC
     from sits_trace.agent.signals.cuda import CudaTotals
     from sits_trace.agent.signals.node import NodeSignals, tcp_features
-    from sits_trace.agent.signals.sched import RunqProcC, SchedSignals
+    from sits_trace.agent.signals.sched import SchedSignals
     from sits_trace.agent.signals.tcp import TcpSample, TcpSignals
     from sits_trace.analyzers.features import FeatureFrame
     from sits_trace.exporters.node_metrics import (

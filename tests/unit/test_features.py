@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("pandas")
 pynvml = pytest.importorskip("pynvml")
 
+from sits_trace.agent.capture.wire import CudaProcC
 from sits_trace.agent.model import (
     ConnInfo,
     Exchange,
@@ -18,7 +19,7 @@ from sits_trace.agent.model import (
     Role,
     Span,
 )
-from sits_trace.agent.signals.cuda import CudaProcC, CudaSignals, DictCudaMaps
+from sits_trace.agent.signals.cuda import CudaSignals, DictCudaMaps
 from sits_trace.agent.signals.gpu import GpuSignals
 from sits_trace.agent.signals.nvml import NvmlSampler
 from sits_trace.analyzers.features import FeatureFrame

@@ -14,11 +14,12 @@ pytest.importorskip("pandas")
 pytest.importorskip("pynvml")
 
 from sits_trace.agent.capture.bpfmaps import DictMaps, u32
+from sits_trace.agent.capture.wire import RunqHistKeyC, RunqProcC, TcpTotal, TwKeyC
 from sits_trace.agent.model import MetricSample
 from sits_trace.agent.signals.node import NodeSignals
 from sits_trace.agent.signals.nvml import NvmlSampler
-from sits_trace.agent.signals.sched import RunqHistKeyC, RunqProcC, SchedSignals
-from sits_trace.agent.signals.tcp import TcpSignals, TcpTotal, TwKeyC
+from sits_trace.agent.signals.sched import SchedSignals
+from sits_trace.agent.signals.tcp import TcpSignals
 from sits_trace.analyzers.features import FeatureFrame
 from sits_trace.exporters import ExporterSet
 from sits_trace.exporters.node_metrics import counter_samples, metric_samples
