@@ -20,6 +20,7 @@ from typing import Any
 from sits_trace.agent.capture.events import Kind
 from sits_trace.agent.capture.loader import EventSource, Kernel, LoadOptions, RingSource, load
 from sits_trace.agent.capture.probes import TLS_LIBRARIES, mapped_libraries, tracefs_root
+from sits_trace.agent.clock import realtime_offset_ns
 from sits_trace.agent.model import MetricSample
 from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_options
@@ -38,19 +39,6 @@ from .config import STATS_PATH, Config
 # exporters get STOP_FLUSH_S more (systemd's default TimeoutStopSec is 90 s; ours is 10)
 DRAIN_S = 2.5
 STOP_FLUSH_S = 3.0
-
-
-def clock_offset_ns() -> int:
-    """Unix time minus CLOCK_MONOTONIC (the clock bpf_ktime_get_ns reads)."""
-    best = None
-    for _ in range(5):
-        a = time.monotonic_ns()
-        w = time.time_ns()
-        b = time.monotonic_ns()
-        if best is None or b - a < best[0]:
-            best = (b - a, w - (a + b) // 2)
-    assert best is not None
-    return best[1]
 
 
 def _tracefs() -> Path | None:
@@ -99,7 +87,7 @@ class Agent:
         # both append to extra_programs/defines/tracepoints: they compose in either order
         self.kernel = load(nodesignals.extend_options(cuda_options(opts, self._gpu_cfg), add))
         source = self._source_factory(self.kernel)
-        offset = clock_offset_ns()
+        offset = realtime_offset_ns()
         builder = SpanBuilder(clock_offset_ns=offset,
                               redactor=QueryRedactor(t.redact_query_keys))
         self._rescans = Rescans(self._check_libraries)

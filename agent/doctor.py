@@ -10,13 +10,12 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from sits_trace.agent.capture.probes import (
     HTTP_TRACEPOINTS,
     TLS_UPROBES,
-    Tracepoint,
     elf_has_symbol,
     find_libraries,
     tracefs_root,

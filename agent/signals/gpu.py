@@ -69,7 +69,7 @@ class GpuSignalConfig:
     slot_shift: int = DEFAULT_SLOT_SHIFT
     libcuda_paths: list[str] = field(default_factory=list)
     nvml_interval_s: float = 0.1
-    nvml_module: Any = None  # a pynvml-like module to use (RecordingNvml, ReplayNvml); None: pynvml
+    nvml_module: Any = None  # a pynvml-like module (tests: a recorder or replayer); None: pynvml
 
 
 def cuda_options(opts: LoadOptions, cfg: GpuSignalConfig) -> LoadOptions:

@@ -180,9 +180,12 @@ def main() -> None:
     from sits_trace.agent.model import Span
     from sits_trace.agent.signals.cuda import doctor_checks
     from sits_trace.agent.signals.gpu import GpuSignalConfig
-    from sits_trace.agent.signals.nvml import RecordingNvml, load_nvml
+    from sits_trace.agent.signals.nvml import load_nvml
+    sys.path.insert(0, str(ROOT))  # the checkout: tests.support is test code, not installed
     from sits_trace.analyzers.features import FeatureFrame
     from sits_trace.exporters.node_metrics import metric_samples
+
+    from tests.support.nvml_replay import RecordingNvml
 
     summary: dict[str, Any] = {"uname": os.uname().release, "python": sys.version.split()[0]}
     try:

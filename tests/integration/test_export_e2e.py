@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sits_trace.exporters.testing import GrpcReceiver, HttpReceiver
+
+from tests.support.otlp import GrpcReceiver, HttpReceiver
 
 from .harness import SitsRun as Agent
 from .harness import free_port, wait_port, write_config

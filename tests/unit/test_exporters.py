@@ -18,7 +18,8 @@ from sits_trace.exporters._queue import QueuedExporter, RetryPolicy
 from sits_trace.exporters._red import LabelLimiter, path_template, span_labels
 from sits_trace.exporters._resource import ResourceResolver, container_id_from_cgroup
 from sits_trace.exporters.jsonl import JsonlExporter
-from sits_trace.exporters.testing import sample_span as make_span
+
+from tests.support.otlp import sample_span as make_span
 
 DOCKER_V1 = ("12:pids:/docker/" + "a" * 64 + "\n11:memory:/docker/" + "a" * 64 + "\n")
 CGROUPS = {

@@ -23,8 +23,9 @@ from sits_trace.agent.config import ConfigError, ExportConfig
 from sits_trace.exporters._queue import RetryPolicy
 from sits_trace.exporters._settings import OtlpSettings, otlp_settings
 from sits_trace.exporters.otlp import OtlpExporter
-from sits_trace.exporters.testing import GrpcReceiver, HttpReceiver
-from sits_trace.exporters.testing import sample_span as make_span
+
+from tests.support.otlp import GrpcReceiver, HttpReceiver
+from tests.support.otlp import sample_span as make_span
 
 CONTAINER = "3f4c9d2b8a1e7f6c5d4b3a29180f7e6d5c4b3a2918f0e1d2c3b4a59687f6e5d4"
 

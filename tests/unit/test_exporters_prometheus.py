@@ -10,7 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sits_trace.exporters._base import ExporterStats
 from sits_trace.exporters.prometheus import ProcessUsage, PrometheusExporter
-from sits_trace.exporters.testing import sample_span as make_span
+
+from tests.support.otlp import sample_span as make_span
 
 AGENT_STATS: dict[str, Any] = {
     "tracer": {"records": 900, "decode_errors": 2, "spans": 40, "spans_filtered": 1,

@@ -17,14 +17,9 @@ import pytest
 
 pynvml = pytest.importorskip("pynvml")
 
-from sits_trace.agent.signals.nvml import (
-    NvmlSampler,
-    RecordingNvml,
-    ReplayNvml,
-    covering,
-    gpm_values,
-    sample_value,
-)
+from sits_trace.agent.signals.nvml import NvmlSampler, covering, gpm_values, sample_value
+
+from tests.support.nvml_replay import RecordingNvml, ReplayNvml
 
 FIXTURE = Path(__file__).parents[1] / "fixtures/nvml/h200_torch_pcie_contention.json.gz"
 META = json.loads(gzip.decompress(FIXTURE.read_bytes()))["meta"]

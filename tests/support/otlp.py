@@ -1,4 +1,4 @@
-"""In-process OTLP receivers (gRPC and HTTP/protobuf) and sample spans, for tests and demos.
+"""In-process OTLP receivers (gRPC and HTTP/protobuf) and sample spans, for tests.
 
 Both keep every span they receive, with its resource attributes, and can be
 stopped and started again on the same port to play a collector that goes away.

@@ -1,0 +1,1 @@
+"""Test-only helpers: OTLP receivers and sample spans, NVML record/replay."""
