@@ -1,9 +1,18 @@
-# The two commands a user needs (README): `make demo` and `make test`. Both set up first.
+# The two commands a user needs (README): `make demo` and `make test`. Both set up first (root).
+# `make lint` and `make unit` need no root: they build .venv only when it is missing.
 PY := .venv/bin/python
-.PHONY: setup demo test unit lint bench
+.PHONY: setup venv demo test unit lint bench
 
 setup:
 	@bash scripts/setup.sh
+
+# .venv without root, for lint and unit tests (no BCC: the eBPF tests need `make setup`)
+venv: .venv/.sits-installed
+
+.venv/.sits-installed: pyproject.toml
+	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages .venv
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
 
 demo: setup
 	$(PY) examples/demo.py
@@ -11,12 +20,12 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-unit: setup
+unit: venv
 	$(PY) -m pytest -q tests/unit
 
-lint: setup
-	.venv/bin/ruff check agent exporters analyzers tests bench examples
-	.venv/bin/mypy agent exporters analyzers
+lint: venv
+	.venv/bin/ruff check agent exporters analyzers tests bench examples dashboards
+	.venv/bin/mypy --strict agent exporters analyzers
 
 bench: setup
 	$(PY) bench/overhead.py

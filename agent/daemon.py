@@ -21,6 +21,7 @@ from sits_trace.agent.capture.events import Kind
 from sits_trace.agent.capture.loader import EventSource, Kernel, LoadOptions, RingSource, load
 from sits_trace.agent.capture.probes import TLS_LIBRARIES, mapped_libraries, tracefs_root
 from sits_trace.agent.clock import realtime_offset_ns
+from sits_trace.agent.config import STATS_PATH, Config
 from sits_trace.agent.model import MetricSample
 from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_options
@@ -31,8 +32,6 @@ from sits_trace.agent.tracing.redact import QueryRedactor
 from sits_trace.agent.tracing.spans import SpanBuilder
 from sits_trace.analyzers.features import FeatureFrame
 from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samples, metric_samples
-
-from .config import STATS_PATH, Config
 
 
 # SIGTERM to exit: the ring is read for at most this long after the probes are detached;

@@ -52,7 +52,7 @@ def _bpf_syscall() -> Check:
         return Check("bpf", True, "a test program loaded", core=True)
     except ImportError:
         return Check("bpf", False, "skipped: bcc missing", SETUP_HINT, core=True)
-    except Exception as exc:  # bcc raises bare Exception
+    except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception
         return Check("bpf", False, str(exc).splitlines()[0][:120],
                      "needs root and a kernel with CONFIG_BPF_SYSCALL", core=True)
 
@@ -103,13 +103,13 @@ def _nvml() -> Check:
         drv = pynvml.nvmlSystemGetDriverVersion()
         pynvml.nvmlShutdown()
         return Check("nvml", True, f"{n} GPU(s), driver {drv}")
-    except Exception as exc:  # pynvml.NVMLError and library load errors
+    except Exception as exc:  # noqa: BLE001 - pynvml.NVMLError and library load errors
         return Check("nvml", False, f"no GPU signals: {exc}",
                      "optional: install the NVIDIA driver on GPU nodes")
 
 
 def _agent_stats() -> Check:
-    from .config import STATS_PATH  # noqa: PLC0415
+    from sits_trace.agent.config import STATS_PATH  # noqa: PLC0415
 
     try:
         st = json.loads(STATS_PATH.read_text())

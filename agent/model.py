@@ -13,9 +13,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
-AttrValue = Union[str, bool, int, float]
+AttrValue = str | bool | int | float
 
 
 class Direction(enum.IntEnum):

@@ -126,7 +126,7 @@ class FeatureFrame:
     # ---- the frame ----
 
     def frame(self) -> pd.DataFrame:
-        import pandas as pd  # only the RCA stage needs pandas
+        import pandas as pd  # noqa: PLC0415 - only the RCA stage needs pandas
 
         with self._lock:
             rows = list(self._rows)

@@ -98,11 +98,11 @@ def build_exporters(cfg: Config, environ: Mapping[str, str] | None = None) -> Ex
     otlp = otlp_settings(e, env)
     out = ExporterSet([])
     if otlp is not None:
-        from .otlp import OtlpExporter
+        from .otlp import OtlpExporter  # noqa: PLC0415 - the gRPC/OTel stack only when configured
 
         out.exporters.append(OtlpExporter(otlp, exporter_stats=out.exporter_stats))
     if e.prometheus_port:
-        from .prometheus import ProcessUsage, PrometheusExporter
+        from .prometheus import ProcessUsage, PrometheusExporter  # noqa: PLC0415 - prometheus-client only when configured
 
         service = e.service_name or env.get("OTEL_SERVICE_NAME", "")
         out.exporters.append(PrometheusExporter(

@@ -39,7 +39,7 @@ def container_id_from_cgroup(text: str) -> str | None:
 
 def parse_key_values(text: str) -> dict[str, str]:
     """'k=v,k2=v2' (OTEL_RESOURCE_ATTRIBUTES, OTEL_EXPORTER_OTLP_HEADERS), %-decoded."""
-    from urllib.parse import unquote
+    from urllib.parse import unquote  # noqa: PLC0415 - only for OTEL_RESOURCE_ATTRIBUTES
 
     out: dict[str, str] = {}
     for item in text.split(","):

@@ -55,13 +55,13 @@ _OTEL_ATTR = dict(zip(LABELS, ("service.name", "http.request.method", "http.rout
 def span_exporter(s: OtlpSettings) -> SpanExporter:
     """The SDK's OTLP span exporter for the settings' protocol."""
     if s.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415 - the protocol asked for only
             OTLPSpanExporter as GrpcSpanExporter,
         )
 
         return GrpcSpanExporter(endpoint=s.traces_endpoint, headers=s.headers or None,
                                 timeout=s.timeout_s)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415 - the protocol asked for only
         OTLPSpanExporter as HttpSpanExporter,
     )
 
@@ -71,13 +71,13 @@ def span_exporter(s: OtlpSettings) -> SpanExporter:
 
 def metric_exporter(s: OtlpSettings) -> MetricExporter:
     if s.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (  # noqa: PLC0415 - the protocol asked for only
             OTLPMetricExporter as GrpcMetricExporter,
         )
 
         return GrpcMetricExporter(endpoint=s.metrics_endpoint, headers=s.headers or None,
                                   timeout=s.timeout_s)
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (  # noqa: PLC0415 - the protocol asked for only
         OTLPMetricExporter as HttpMetricExporter,
     )
 
@@ -276,6 +276,6 @@ class OtlpExporter:
 
 
 def _hostname() -> str:
-    import socket
+    import socket  # noqa: PLC0415 - once, for the default host name
 
     return socket.gethostname()

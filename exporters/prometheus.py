@@ -60,7 +60,7 @@ class ProcessUsage:
     """CPU seconds and resident bytes of a process (psutil; /proc/<pid>/stat without it)."""
 
     def __init__(self, pid: int | None = None) -> None:
-        import psutil
+        import psutil  # noqa: PLC0415 - psutil only when /metrics is on
 
         self._proc = psutil.Process(pid)
 

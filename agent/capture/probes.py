@@ -146,9 +146,9 @@ def find_libraries(short: str, proc_root: str = "/proc", extra: Sequence[str] = 
             found[os.path.realpath(p)] = None
     for d in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
               "/usr/lib64", "/usr/lib", "/usr/local/lib", "/usr/local/nvidia/lib64"):
-        for p in sorted(Path(d).glob(f"{short}.so*")) if os.path.isdir(d) else ():
-            if p.is_file():
-                found[os.path.realpath(p)] = None
+        for lib in sorted(Path(d).glob(f"{short}.so*")) if os.path.isdir(d) else ():
+            if lib.is_file():
+                found[os.path.realpath(lib)] = None
     for pid in _pids(proc_root):
         for p in mapped_libraries(pid, short, proc_root):
             found[p] = None

@@ -55,7 +55,7 @@ _NOT_SUPPORTED, _NOT_FOUND, _TIMEOUT, _NO_DATA, _NO_PERMISSION = 3, 6, 10, 25, 4
 def load_nvml() -> Any | None:
     """pynvml, initialised; None (logged once) when there is no NVML or no GPU."""
     try:
-        import pynvml
+        import pynvml  # noqa: PLC0415 - optional: no NVML on most nodes
     except ImportError:
         log.warning("GPU signals off: nvidia-ml-py is not installed (pip install nvidia-ml-py)")
         return None

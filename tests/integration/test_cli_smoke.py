@@ -32,7 +32,7 @@ def test_trace_stops_on_sigint_with_stats() -> None:
         if "tracing" in line or time.monotonic() > deadline:
             break
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=30)
+    _out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     assert "records=" in err and "lost_in_kernel=" in err
 

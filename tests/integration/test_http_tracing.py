@@ -250,7 +250,7 @@ def test_python_tls_client_spans(tracer: Tracer, nginx: Nginx) -> None:
 
 
 def test_uvicorn_https_sse_memory_bio(tracer: Tracer) -> None:
-    with uvicorn_server() as (port, proc):
+    with uvicorn_server() as (port, _proc):
         r_sse, r_json, r_err = rid("sse"), rid("uv"), rid("uv-err")
         out = curl(f"https://127.0.0.1:{port}/sse", "-N", rid=r_sse)
         assert out.stdout.count("data: token") == 5
