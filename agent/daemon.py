@@ -15,14 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
 from sits_trace.agent.capture.events import Kind
 from sits_trace.agent.capture.loader import EventSource, Kernel, LoadOptions, RingSource, load
 from sits_trace.agent.capture.probes import TLS_LIBRARIES, mapped_libraries, tracefs_root
 from sits_trace.agent.clock import realtime_offset_ns
 from sits_trace.agent.config import STATS_PATH, Config
-from sits_trace.agent.model import MetricSample
+from sits_trace.agent.model import AgentStats, MetricSample
 from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_options
 from sits_trace.agent.signals.node import NodeSignalConfig, NodeSignals
@@ -202,24 +201,24 @@ class Agent:
             self.gpu.stop()
         self._maybe_write_stats(force=True)
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def stats(self) -> AgentStats:
+        out = AgentStats()
         if self.tracer is not None:
-            s = asdict(self.tracer.stats)
-            out["tracer"] = s
+            out.tracer = asdict(self.tracer.stats)
         if self.kernel is not None:
             names = {k.value: k.name.lower() for k in Kind}
-            out["kernel_seen"] = {names.get(k, str(k)): v for k, v in self.kernel.counters("seen").items()}
-            out["kernel_lost"] = {names.get(k, str(k)): v for k, v in self.kernel.counters("lost").items()}
-            out["probes"] = [asdict(s) for s in self.kernel.report.statuses if not s.ok]
-            out["uprobe_libraries"] = sorted(self.kernel.attached_libraries())
+            seen, lost = self.kernel.counters("seen"), self.kernel.counters("lost")
+            out.kernel_seen = {names.get(k, str(k)): v for k, v in seen.items()}
+            out.kernel_lost = {names.get(k, str(k)): v for k, v in lost.items()}
+            out.probes = [asdict(s) for s in self.kernel.report.statuses if not s.ok]
+            out.uprobe_libraries = sorted(self.kernel.attached_libraries())
         if self.node is not None:
-            out["node_signals"] = nodesignals.stats(self.node, self.kernel)
+            out.node_signals = nodesignals.stats(self.node, self.kernel)
         if self.features is not None:
-            out["features"] = {"rows": len(self.features)}
+            out.features = {"rows": len(self.features)}
         if self.drain_abandoned_bytes:
-            out["drain_abandoned_bytes"] = self.drain_abandoned_bytes
-        out["time_unix"] = time.time()
+            out.drain_abandoned_bytes = self.drain_abandoned_bytes
+        out.time_unix = time.time()
         return out
 
     def metric_samples(self) -> list[MetricSample]:
@@ -243,23 +242,23 @@ class Agent:
         try:
             STATS_PATH.parent.mkdir(parents=True, exist_ok=True)
             tmp = STATS_PATH.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.stats(), indent=1))
+            tmp.write_text(json.dumps(self.stats().to_json(), indent=1))
             tmp.replace(STATS_PATH)
         except OSError:
             pass  # stats are a convenience; never fatal
 
 
-def lost_total(stats: dict[str, Any]) -> int:
-    return int(sum(stats.get("kernel_lost", {}).values()))
+def lost_total(stats: AgentStats) -> int:
+    return stats.lost_total
 
 
-def format_stats_lines(stats: dict[str, Any]) -> Sequence[str]:
-    t = stats.get("tracer", {})
-    p = t.get("parser", {})
+def format_stats_lines(stats: AgentStats) -> Sequence[str]:
+    s = stats
     return [
-        f"records={t.get('records', 0)} spans={t.get('spans', 0)} "
-        f"decode_errors={t.get('decode_errors', 0)} lost_in_kernel={lost_total(stats)} "
-        f"exchanges_shed={t.get('exchanges_shed', 0)} capture_shift={t.get('capture_shift', 0)} "
-        f"parser_resyncs={p.get('resyncs', 0)} parser_malformed={p.get('malformed', 0)} "
-        f"drain_abandoned_bytes={stats.get('drain_abandoned_bytes', 0)}",
+        f"records={s.count('records')} spans={s.count('spans')} "
+        f"decode_errors={s.count('decode_errors')} lost_in_kernel={s.lost_total} "
+        f"exchanges_shed={s.count('exchanges_shed')} capture_shift={s.count('capture_shift')} "
+        f"parser_resyncs={s.parser_count('resyncs')} "
+        f"parser_malformed={s.parser_count('malformed')} "
+        f"drain_abandoned_bytes={s.drain_abandoned_bytes or 0}",
     ]

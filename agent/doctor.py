@@ -21,7 +21,7 @@ from sits_trace.agent.capture.probes import (
     tracefs_root,
     tracepoint_checks,
 )
-from sits_trace.agent.model import Check
+from sits_trace.agent.model import AgentStats, Check
 
 SETUP_HINT = "run `make setup` (scripts/setup.sh) as root"
 
@@ -112,13 +112,12 @@ def _agent_stats() -> Check:
     from sits_trace.agent.config import STATS_PATH  # noqa: PLC0415
 
     try:
-        st = json.loads(STATS_PATH.read_text())
-    except (OSError, ValueError):
+        st = AgentStats.from_json(json.loads(STATS_PATH.read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
         return Check("agent stats", True, f"no running agent ({STATS_PATH} absent)")
-    lost = sum(st.get("kernel_lost", {}).values())
-    parser = st.get("tracer", {}).get("parser", {})
-    detail = (f"lost in kernel {lost}, parser resyncs {parser.get('resyncs', 0)}, "
-              f"malformed {parser.get('malformed', 0)}, spans {st.get('tracer', {}).get('spans', 0)}")
+    lost = st.lost_total
+    detail = (f"lost in kernel {lost}, parser resyncs {st.parser_count('resyncs')}, "
+              f"malformed {st.parser_count('malformed')}, spans {st.count('spans')}")
     return Check("agent stats", lost == 0, detail,
                  "events lost: raise trace.ringbuf_mib or lower trace.poll_ms")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 AttrValue = str | bool | int | float
 
@@ -181,3 +181,47 @@ class Check:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+# ---- the agent's own counters ----
+
+
+@dataclass(slots=True)
+class AgentStats:
+    """The agent's counters: the stats file `sits-trace stats` prints, the health metrics the
+    exporters read, doctor's "agent stats" row. A part the agent does not have is None (and
+    absent from the JSON). `to_json()` / `from_json()` are the file's format."""
+
+    tracer: dict[str, Any] | None = None  # the tracer's counters, "parser" nested
+    kernel_seen: dict[str, int] | None = None  # records sent, by event kind
+    kernel_lost: dict[str, int] | None = None  # records the ring had no room for, by kind
+    probes: list[dict[str, Any]] | None = None  # probes that failed to attach
+    uprobe_libraries: list[str] | None = None
+    node_signals: dict[str, Any] | None = None
+    features: dict[str, int] | None = None
+    drain_abandoned_bytes: int | None = None  # ring bytes left unread at stop (when any)
+    time_unix: float = 0.0
+
+    def count(self, key: str) -> int:
+        """A tracer counter (records, spans, conns_active, capture_shift, ...); 0 if absent."""
+        return int((self.tracer or {}).get(key, 0))
+
+    def parser_count(self, key: str) -> int:
+        """An HTTP parser counter (resyncs, malformed, ...); 0 if absent."""
+        return int((self.tracer or {}).get("parser", {}).get(key, 0))
+
+    @property
+    def lost_total(self) -> int:
+        return sum((self.kernel_lost or {}).values())
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f: getattr(self, f) for f in _STATS_FIELDS}
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AgentStats:
+        return cls(**{f: data[f] for f in _STATS_FIELDS if f in data})
+
+
+_STATS_FIELDS = ("tracer", "kernel_seen", "kernel_lost", "probes", "uprobe_libraries",
+                 "node_signals", "features", "drain_abandoned_bytes", "time_unix")

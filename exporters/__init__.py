@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from sits_trace.agent.config import Config
+from sits_trace.agent.model import AgentStats, Span
 
 from ._base import Exporter, ExporterStats
 from ._settings import otlp_settings
@@ -26,7 +27,7 @@ __all__ = ["Exporter", "ExporterSet", "ExporterStats", "build_exporters"]
 
 
 class _HasStats(Protocol):
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> AgentStats: ...
 
 
 class ExporterSet:
@@ -37,7 +38,7 @@ class ExporterSet:
         self.errors = 0  # exceptions an exporter raised despite its contract
         self.agent: _HasStats | None = None
 
-    def export_span(self, span: Any) -> None:
+    def export_span(self, span: Span) -> None:
         one = (span,)
         for e in self.exporters:
             try:
@@ -55,8 +56,8 @@ class ExporterSet:
                 log.debug("exporter %s: stats failed", e.name, exc_info=True)
         return out
 
-    def agent_stats(self) -> dict[str, Any]:
-        return self.agent.stats() if self.agent is not None else {}
+    def agent_stats(self) -> AgentStats:
+        return self.agent.stats() if self.agent is not None else AgentStats()
 
     def agent_samples(self) -> list[Any]:
         """The agent's node signals as (name, labels, value); none from an agent without."""

@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
-from sits_trace.agent.model import Span
+from sits_trace.agent.model import AgentStats, Span
 
 from ._base import ExporterStats
 from ._queue import QueuedExporter, RetryPolicy
@@ -43,7 +43,7 @@ from ._settings import OtlpSettings
 log = logging.getLogger(__name__)
 
 SCOPE = InstrumentationScope("sits-trace", "0.1.0")
-AgentStats = Callable[[], dict[str, Any]]
+AgentStatsFn = Callable[[], AgentStats]
 ExporterStatsFn = Callable[[], Sequence[ExporterStats]]
 _KINDS = {"SERVER": SpanKind.SERVER, "CLIENT": SpanKind.CLIENT, "INTERNAL": SpanKind.INTERNAL,
           "PRODUCER": SpanKind.PRODUCER, "CONSUMER": SpanKind.CONSUMER}
@@ -135,7 +135,7 @@ class _Metrics:
 
     def __init__(self, s: OtlpSettings, exporter: MetricExporter, resource: Resource,
                  exporter_stats: ExporterStatsFn) -> None:
-        self.agent_stats: AgentStats | None = None
+        self.agent_stats: AgentStatsFn | None = None
         self._exporter_stats = exporter_stats
         self._limiters = {m: LabelLimiter(s.max_label_sets) for m in METRIC_OF_KIND.values()}
         self._exporter = exporter
@@ -172,16 +172,16 @@ class _Metrics:
             # sampling.probability for backends that re-weight (Prometheus /metrics does)
             self._hist[metric].record(dur, attrs)
 
-    def _stats(self) -> dict[str, Any]:
-        return self.agent_stats() if self.agent_stats is not None else {}
+    def _stats(self) -> AgentStats:
+        return self.agent_stats() if self.agent_stats is not None else AgentStats()
 
     def _kernel(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def cb(_opts: CallbackOptions) -> Iterable[Observation]:
-            return [Observation(v, {"kind": k}) for k, v in self._stats().get(key, {}).items()]
+            return [Observation(v, {"kind": k}) for k, v in (getattr(self._stats(), key) or {}).items()]
         return cb
 
     def _active(self, _opts: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._stats().get("tracer", {}).get("conns_active", 0))]
+        return [Observation(self._stats().count("conns_active"))]
 
     def _exported(self, _opts: CallbackOptions) -> Iterable[Observation]:
         return [Observation(s.exported, {"exporter": s.exporter}) for s in self._exporter_stats()]
@@ -246,7 +246,7 @@ class OtlpExporter:
         readable = [to_readable(s, self._resources.of(s)) for s in batch]
         return self._sdk.export(readable) == SpanExportResult.SUCCESS
 
-    def attach_agent(self, stats: AgentStats, samples: Callable[[], Any] | None = None) -> None:
+    def attach_agent(self, stats: AgentStatsFn, samples: Callable[[], Any] | None = None) -> None:
         """`samples` (the agent's node signals) are exported by Prometheus only, for now."""
         if self._metrics is not None:
             self._metrics.agent_stats = stats

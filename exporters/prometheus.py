@@ -27,7 +27,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from sits_trace.agent.model import Span
+from sits_trace.agent.model import AgentStats, Span
 
 from . import _genai
 from ._base import ExporterStats
@@ -35,7 +35,7 @@ from ._red import LABELS, HistogramData, RedAggregator
 
 log = logging.getLogger(__name__)
 
-AgentStats = Callable[[], dict[str, Any]]
+AgentStatsFn = Callable[[], AgentStats]
 # (name, labels, value) triples: agent.features.MetricSample or anything shaped like it
 NodeSamples = Callable[[], Iterable[tuple[str, dict[str, str], float]]]
 ExporterStatsFn = Callable[[], Sequence[ExporterStats]]
@@ -43,7 +43,7 @@ DROP_REASONS = ("queue_full", "export_failed")
 
 _PROM_NAME = {"http.server.request.duration": "http_server_request_duration_seconds",
               "http.client.request.duration": "http_client_request_duration_seconds"}
-_TRACER_COUNTERS = (  # agent.stats()["tracer"] key -> metric, help
+_TRACER_COUNTERS = (  # AgentStats.count() key -> metric, help
     ("records", "sits_ring_records", "Records read from the BPF ring buffer."),
     ("decode_errors", "sits_decode_errors", "Ring records that could not be decoded."),
     ("spans", "sits_spans", "Spans assembled by the tracer."),
@@ -80,7 +80,7 @@ class SitsCollector(Collector):
         self.red = red
         self.genai = _genai.GenAiAggregator()
         self.exporter_stats = exporter_stats
-        self.agent_stats: AgentStats | None = None
+        self.agent_stats: AgentStatsFn | None = None
         self.node_samples: NodeSamples | None = None
         self.usage = usage
 
@@ -118,25 +118,23 @@ class SitsCollector(Collector):
             yield fam
 
     def _agent(self) -> Iterator[Metric]:
-        stats = self.agent_stats() if self.agent_stats is not None else {}
+        stats = self.agent_stats() if self.agent_stats is not None else AgentStats()
         yield from _kernel_metrics(stats)
-        tracer = stats.get("tracer", {})
         active = GaugeMetricFamily("sits_connections_active", "Connections the tracer follows now.")
-        active.add_metric([], float(tracer.get("conns_active", 0)))
+        active.add_metric([], float(stats.count("conns_active")))
         yield active
         yield GaugeMetricFamily("sits_capture_shift",
                                 "Load shedding: the kernel captures one exchange in 2^shift.",
-                                value=float(tracer.get("capture_shift", 0)))
+                                value=float(stats.count("capture_shift")))
         for key, name, doc in _TRACER_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=float(tracer.get(key, 0)))
-        parser = tracer.get("parser", {})
+            yield CounterMetricFamily(name, doc, value=float(stats.count(key)))
         yield CounterMetricFamily("sits_parser_resyncs", "HTTP parser resynchronisations.",
-                                  value=float(parser.get("resyncs", 0)))
+                                  value=float(stats.parser_count("resyncs")))
         yield CounterMetricFamily("sits_parser_malformed", "Malformed HTTP messages seen.",
-                                  value=float(parser.get("malformed", 0)))
+                                  value=float(stats.parser_count("malformed")))
         failed = GaugeMetricFamily("sits_probe_failed", "1 for each probe that did not attach.",
                                    labels=["probe", "group", "required"])
-        for p in stats.get("probes", []):
+        for p in stats.probes or []:
             failed.add_metric([str(p.get("name", "")), str(p.get("group", "")),
                                str(bool(p.get("required"))).lower()], 1.0)
         yield failed
@@ -221,9 +219,9 @@ def _cumulative(bounds: list[str], h: HistogramData) -> list[Any]:
     return out
 
 
-def _kernel_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
-    seen: dict[str, int] = stats.get("kernel_seen", {})
-    lost: dict[str, int] = stats.get("kernel_lost", {})
+def _kernel_metrics(stats: AgentStats) -> Iterator[Metric]:
+    seen = stats.kernel_seen or {}
+    lost = stats.kernel_lost or {}
     kinds = sorted(set(seen) | set(lost))
     fam_seen = CounterMetricFamily("sits_bpf_events", "Events the BPF programs saw, by kind.",
                                    labels=["kind"])
@@ -260,7 +258,7 @@ class PrometheusExporter:
     def port(self) -> int:
         return int(self._server.server_port) if self._server is not None else 0
 
-    def attach_agent(self, stats: AgentStats, samples: NodeSamples | None = None) -> None:
+    def attach_agent(self, stats: AgentStatsFn, samples: NodeSamples | None = None) -> None:
         self.collector.agent_stats = stats
         self.collector.node_samples = samples
 

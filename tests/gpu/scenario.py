@@ -273,7 +273,7 @@ def main() -> None:
         summary["kernel_totals"] = {str(p): dataclasses.asdict(t) for p, t in totals.items()
                                     if p in (spid, cpid)}
         summary["server_pid"], summary["competitor_pid"] = spid, cpid
-        summary["agent_stats"] = {k: v for k, v in agent.stats().items()
+        summary["agent_stats"] = {k: v for k, v in agent.stats().to_json().items()
                                   if k in ("tracer", "kernel_seen", "kernel_lost", "probes",
                                            "node_signals")}
         src = tee["t"].inner if "t" in tee else None

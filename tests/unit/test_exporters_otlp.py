@@ -20,6 +20,7 @@ import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status as PbStatus
 from sits_trace.agent.config import ConfigError, ExportConfig
+from sits_trace.agent.model import AgentStats
 from sits_trace.exporters._queue import RetryPolicy
 from sits_trace.exporters._settings import OtlpSettings, otlp_settings
 from sits_trace.exporters.otlp import OtlpExporter
@@ -170,8 +171,8 @@ def test_metrics_go_over_otlp_too(proc_root: str) -> None:
     try:
         s = settings(r.endpoint, otlp_metrics=True, otlp_metrics_interval_s=60.0)
         exp = OtlpExporter(s, proc_root=proc_root, hostname="h")
-        exp.attach_agent(lambda: {"kernel_seen": {"data": 10}, "kernel_lost": {"data": 1},
-                                  "tracer": {"conns_active": 3}})
+        exp.attach_agent(lambda: AgentStats(kernel_seen={"data": 10}, kernel_lost={"data": 1},
+                                            tracer={"conns_active": 3}))
         exp.export([make_span(i) for i in range(5)] + [make_span(9, kind="CLIENT")])
         assert exp.force_flush(10)
         assert r.wait_for(lambda: {"http.server.request.duration", "sits.bpf.events",

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sits_trace.agent.model import AgentStats
 from sits_trace.exporters._base import ExporterStats
 from sits_trace.exporters.prometheus import ProcessUsage, PrometheusExporter
 
@@ -52,7 +53,7 @@ def test_metrics_endpoint(unused_port: int) -> None:
                           queue_capacity=8192, export_errors=2)
     exp = PrometheusExporter(unused_port, exporter_stats=lambda: [queue], usage=ProcessUsage())
     try:
-        exp.attach_agent(lambda: AGENT_STATS)
+        exp.attach_agent(lambda: AgentStats.from_json(AGENT_STATS))
         spans = [make_span(i, path=f"/v1/models/{i}") for i in range(4)]  # 250 ms each
         spans += [make_span(9, status=500, path="/v1/completions")]
         spans += [make_span(10, kind="CLIENT", exe="python3", path="/generate")]
@@ -125,7 +126,7 @@ def test_shed_spans_are_reweighted(unused_port: int) -> None:
                                        "capture_shift": 3}}
     exp = PrometheusExporter(unused_port)
     try:
-        exp.attach_agent(lambda: stats)
+        exp.attach_agent(lambda: AgentStats.from_json(stats))
         spans = [make_span(i, path="/v1/completions") for i in range(3)]  # 250 ms each
         spans[0].attributes["sampling.probability"] = 0.125
         spans[1].attributes["sampling.probability"] = 0.5

@@ -15,7 +15,7 @@ pytest.importorskip("pynvml")
 
 from sits_trace.agent.capture.bpfmaps import DictMaps, u32
 from sits_trace.agent.capture.wire import RunqHistKeyC, RunqProcC, TcpTotal, TwKeyC
-from sits_trace.agent.model import MetricSample
+from sits_trace.agent.model import AgentStats, MetricSample
 from sits_trace.agent.signals.node import NodeSignals
 from sits_trace.agent.signals.nvml import NvmlSampler
 from sits_trace.agent.signals.sched import SchedSignals
@@ -96,8 +96,8 @@ class FakeAgent:
     def __init__(self, frame: FeatureFrame, node: NodeSignals) -> None:
         self.frame, self.node = frame, node
 
-    def stats(self) -> dict[str, Any]:
-        return {}
+    def stats(self) -> AgentStats:
+        return AgentStats()
 
     def metric_samples(self) -> list[MetricSample]:
         return [*metric_samples(self.frame.latest(), self.frame.devices),
@@ -157,7 +157,7 @@ def test_frame_columns_name_ports_and_processes(
 
 def test_bad_or_broken_node_samples_do_not_spoil_the_scrape() -> None:
     exp = PrometheusExporter()
-    exp.attach_agent(dict, lambda: [MetricSample("sits_ok_per_s", {}, 1.0),
+    exp.attach_agent(AgentStats, lambda: [MetricSample("sits_ok_per_s", {}, 1.0),
                                           MetricSample("not a name", {}, 2.0)])
     fams = scrape(exp)
     assert one(fams, "sits_ok_per_s") == 1.0
@@ -166,7 +166,7 @@ def test_bad_or_broken_node_samples_do_not_spoil_the_scrape() -> None:
     def broken() -> list[MetricSample]:
         raise RuntimeError("frame gone")
 
-    exp.attach_agent(dict, broken)
+    exp.attach_agent(AgentStats, broken)
     assert "http_server_request_duration_seconds" in scrape(exp)
 
 
