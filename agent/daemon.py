@@ -2,9 +2,10 @@
 
 `sits-trace trace` and `sits-trace run` both drive an Agent; they differ in where
 spans go and how long it runs. Beside the spans it keeps the node signals ([signals] in the
-config): TCP and run-queue numbers (nodesignals), CUDA and NVML (gpusignals), each an annotator
-of the spans, and the per-second feature frame they feed (`agent.features`, for RCA and the
-metrics exporters through `metric_samples()`).
+config): TCP and run-queue numbers (signals/node.py), CUDA and NVML (signals/gpu.py), each an
+annotator of the spans, and the per-second feature frame they feed (`Agent.features`, an
+analyzers.features.FeatureFrame, for RCA and the metrics exporters through `metric_samples()`).
+The loop also owns the load shedder (`trace.cpu_budget`, capture/shedding.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Plain data passed between the stages of the pipeline.
 
-decode (events.py) -> connection table (conntrack.py) -> HTTP parser (http1.py)
--> span assembly (spans.py) -> exporters. Nothing here does I/O.
+decode (capture/events.py) -> connection table (tracing/pipeline.py) -> HTTP parser
+(tracing/http1.py) -> span assembly (tracing/spans.py) -> exporters; the agent's counters
+(AgentStats) and node-signal rows beside them. Nothing here does I/O.
 
 Times inside the agent are CLOCK_MONOTONIC nanoseconds (what bpf_ktime_get_ns
 returns); spans convert to Unix nanoseconds once, in span assembly, with a

@@ -36,7 +36,7 @@ from ._red import LABELS, HistogramData, RedAggregator
 log = logging.getLogger(__name__)
 
 AgentStatsFn = Callable[[], AgentStats]
-# (name, labels, value) triples: agent.features.MetricSample or anything shaped like it
+# (name, labels, value) triples: agent.model.MetricSample or anything shaped like it
 NodeSamples = Callable[[], Iterable[tuple[str, dict[str, str], float]]]
 ExporterStatsFn = Callable[[], Sequence[ExporterStats]]
 DROP_REASONS = ("queue_full", "export_failed")

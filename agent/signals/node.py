@@ -8,7 +8,7 @@
     FeatureFrame(providers=node.providers())   # per-second rows: tcp_*, cpu_runq_*
     counter_samples(node)         # cumulative counters, for a scrape-time collector
 
-Feature-frame signals (sits_<signal> as metrics, see features.metric_samples):
+Feature-frame signals (sits_<signal> as metrics, see exporters/node_metrics.py):
   tcp_<total>_per_s             node TCP rates, one per TcpTotal (retransmits, resets_out,
                                 resets_in, opens_active, ..., time_wait_entries)
   tcp_time_wait_sockets         sockets in TIME_WAIT now, by port (entity local_port<n> for

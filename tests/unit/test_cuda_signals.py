@@ -1,4 +1,4 @@
-"""agent/signals/cuda.py without a kernel: EV_CUDA_COPY records recorded on an H200 (a PyTorch server,
+"""agent/signals/cuda without a kernel: EV_CUDA_COPY records recorded on an H200 (a PyTorch server,
 tests/gpu/scenario.py), address-range direction resolution, slot windows over DictCudaMaps."""
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def test_unique_files_by_inode(tmp_path: Path) -> None:
 
 
 def test_annotator_on_recorded_copies() -> None:
-    """gpusignals: a span gets the copies of its own process and window, from real records."""
+    """signals/gpu.py: a span gets the copies of its own process and window, from real records."""
     from sits_trace.agent.signals.gpu import GpuSignals
 
     recs = _records()

@@ -1,7 +1,7 @@
 """The Grafana dashboards: generated, datasource by variable, stable uids, sane layout.
 
-tests/integration/test_prometheus_dashboards.py runs every expression against a
-real Prometheus; this checks what needs no server.
+tests/integration/test_export_e2e.py (test_every_dashboard_query_returns_data) runs every
+expression against a real Prometheus; this checks what needs no server.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def test_trace_links_use_the_trace_backend_variable() -> None:
 
 def _emitted_names() -> set[str]:
     """Every metric name the agent can put on /metrics for node signals, from the code that
-    makes them (features.py for the frame's rows, the counters of cuda.py and nodesignals)."""
+    makes them (analyzers/features.py for the frame's rows, exporters/node_metrics.py for the
+    counters of signals/cuda and signals/node)."""
     from sits_trace.agent.capture.bpfmaps import DictMaps, u32
     from sits_trace.agent.capture.wire import RunqProcC
     from sits_trace.agent.signals.cuda import CudaTotals
