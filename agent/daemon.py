@@ -24,6 +24,7 @@ from sits_trace.agent.clock import realtime_offset_ns
 from sits_trace.agent.config import STATS_PATH, Config
 from sits_trace.agent.model import AgentStats, MetricSample
 from sits_trace.agent.signals import node as nodesignals
+from sits_trace.agent.signals.base import Signal
 from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_options
 from sits_trace.agent.signals.node import NodeSignalConfig, NodeSignals
 from sits_trace.agent.tracing.pipeline import Rescans, SpanSink, Tracer
@@ -58,6 +59,7 @@ class Agent:
         self._node_cfg = NodeSignalConfig(tcp=sig.tcp, sched=sig.sched, sched_all=sig.sched_all)
         self.gpu: GpuSignals | None = None
         self.node: NodeSignals | None = None
+        self.signals: list[Signal] = []  # node and gpu, driven in one loop
         self.features: FeatureFrame | None = None
         self.sink = sink
         self.procfs = procfs or ProcFS()
@@ -96,7 +98,6 @@ class Agent:
             idle_ns=int(t.idle_timeout_s * 1e9),
         )
         self.node = NodeSignals.from_kernel(self.kernel, proc_root=self.procfs.root)
-        self.node.install(self.tracer)
         with_conns: set[int] = set()
         register = self.kernel.register_conn
 
@@ -108,13 +109,15 @@ class Agent:
         self.node.track_processes(sorted(set(pids) | with_conns))
         self.gpu = GpuSignals.from_kernel(self.kernel, self._gpu_cfg, proc_root=self.procfs.root,
                                           clock_offset_ns=offset)
-        self.gpu.install(self.tracer)
+        self.signals = [self.node, self.gpu]
+        for s in self.signals:  # handlers, observers, annotators: node's first, then GPU's
+            s.install(self.tracer)
         self.features = self._feature_frame(offset)
 
     def _feature_frame(self, offset: int) -> FeatureFrame | None:
         """The per-second frame of whatever signals this node has (GPU or not)."""
         assert self.node is not None and self.gpu is not None
-        providers = self.node.providers()
+        providers = {k: v for s in self.signals for k, v in s.providers().items()}
         if not self.cfg.signals.features or not (providers or self.gpu.sampler or self.gpu.cuda):
             return None
         frame = FeatureFrame(sampler=self.gpu.sampler, cuda=self.gpu.cuda, providers=providers,
@@ -125,8 +128,8 @@ class Agent:
     def _on_process_exit(self, pid: int, fds: list[int]) -> None:
         if self.kernel is not None and fds:
             self.kernel.forget_pid(pid, fds)
-        if self.gpu is not None:
-            self.gpu.forget(pid)  # its CUDA totals; a reused pid starts from zero
+        for s in self.signals:
+            s.forget(pid)  # its CUDA totals; a reused pid starts from zero
 
     def _on_exec(self, pid: int) -> None:
         if self._rescans is not None and (self.cfg.trace.tls or self._gpu_cfg.cuda):
@@ -143,15 +146,15 @@ class Agent:
             for lib in mapped_libraries(pid, short, self.procfs.root):
                 if lib not in self.kernel.attached_libraries():
                     self.kernel.attach_uprobes(lib, probes)
-        if self.gpu is not None:
-            self.gpu.check_process(pid)  # libcuda, probed once per file
+        for s in self.signals:
+            s.check_process(pid)  # libcuda, probed once per file
 
     def step(self) -> None:
         assert self.tracer is not None and self._rescans is not None
         self.tracer.poll(self.cfg.trace.poll_ms)
         self._rescans.run_due()
-        if self.gpu is not None:
-            self.gpu.poll()
+        for s in self.signals:
+            s.poll()
 
     def run(self, stop: threading.Event, duration_s: float | None = None, *,
             reload: threading.Event | None = None,
@@ -198,8 +201,8 @@ class Agent:
         self.tracer.close_all()
         if self.features is not None:
             self.features.stop()
-        if self.gpu is not None:
-            self.gpu.stop()
+        for s in self.signals:
+            s.stop()
         self._maybe_write_stats(force=True)
 
     def stats(self) -> AgentStats:

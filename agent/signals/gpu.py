@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sits_trace.agent.capture.wire import CopyDir
-from sits_trace.agent.model import Exchange, Span
+from sits_trace.agent.model import Exchange, Provider, Span
 
 from .cuda import (
     CUDA_PROGRAM,
@@ -113,6 +113,10 @@ class GpuSignals:
         if self.cuda is not None:
             tracer.handlers.update(self.cuda.handlers())
         tracer.annotators.append(self.annotate)
+
+    def providers(self) -> dict[str, Provider]:
+        """None: the feature frame reads the NVML sampler and CUDA totals directly (per GPU)."""
+        return {}
 
     def check_process(self, pid: int) -> None:
         if self.probes is not None:

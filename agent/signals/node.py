@@ -159,6 +159,18 @@ class NodeSignals:
             tracer.data_observers.append(self.sched.on_data)
             tracer.annotators.append(self.sched.annotate)
 
+    def poll(self) -> None:
+        """Nothing to drain each loop: the readers sample the maps when asked."""
+
+    def check_process(self, pid: int) -> None:
+        """No libraries to probe: tracepoints only."""
+
+    def forget(self, pid: int) -> None:
+        """The kernel's LRU maps age exited processes out."""
+
+    def stop(self) -> None:
+        """No thread of its own."""
+
     def track_processes(self, pids: Sequence[int]) -> None:
         """Processes traced from the start (--pid, or those with prefilled connections)."""
         if self.sched is not None:
