@@ -11,14 +11,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from sits_trace.agent.capture.probes import ProbeError
-
-from .config import ConfigError
-from .config import load as load_config
-from .model import Span
+from sits_trace.agent.config import ConfigError
+from sits_trace.agent.config import load as load_config
+from sits_trace.agent.model import Span
 
 app = typer.Typer(
     add_completion=False,
@@ -74,7 +73,7 @@ class _TablePrinter:
         typer.echo(
             f"{start:<12} {s.kind[:6]:<6} {a.get('process.pid', 0):>7} "
             f"{str(a.get('process.executable.name', ''))[:12]:<12} "
-            f"{str(a.get('http.request.method', '')):<7} {status!s:>6} {dur:9.3f} {ttfb_s}  "
+            f"{a.get('http.request.method', '')!s:<7} {status!s:>6} {dur:9.3f} {ttfb_s}  "
             f"{a.get('url.path', '')}{tls}  {a.get('http.request.header.x-request-id', '')}"
         )
         sys.stdout.flush()
@@ -87,15 +86,15 @@ def _json_printer(s: Span) -> None:
 
 @app.command()
 def trace(
-    pid: Annotated[Optional[list[int]], typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
-    port: Annotated[Optional[int], typer.Option("--port", help="only spans whose server port is this")] = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", "-d", help="stop after this many seconds")] = None,
+    pid: Annotated[list[int] | None, typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="only spans whose server port is this")] = None,
+    duration: Annotated[float | None, typer.Option("--duration", "-d", help="stop after this many seconds")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per span on stdout, nothing else")] = False,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file")] = None,
-    record: Annotated[Optional[Path], typer.Option("--record", help="also save raw ring-buffer records to this file (fixtures). It holds the raw "
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
+    record: Annotated[Path | None, typer.Option("--record", help="also save raw ring-buffer records to this file (fixtures). It holds the raw "
                                                                               "bytes, secrets included: created 0600, keep it private")] = None,
-    replay: Annotated[Optional[Path], typer.Option("--replay", help="decode a recording instead of the kernel (no root needed)")] = None,
-    cpu_budget: Annotated[Optional[float], typer.Option("--cpu-budget", help="cores the agent may use before the kernel samples exchanges (0: capture all)")] = None,
+    replay: Annotated[Path | None, typer.Option("--replay", help="decode a recording instead of the kernel (no root needed)")] = None,
+    cpu_budget: Annotated[float | None, typer.Option("--cpu-budget", help="cores the agent may use before the kernel samples exchanges (0: capture all)")] = None,
 ) -> None:
     """Print every completed HTTP/HTTPS span.
 
@@ -114,15 +113,18 @@ def trace(
     if replay is not None:
         _replay(replay, sink, cfg.trace.port or None, cfg.trace.redact_query_keys)
         return
-    from sits_trace.agent.capture.loader import Recorder, RingSource, TeeSource  # noqa: PLC0415
+    from sits_trace.agent.capture.loader import (  # noqa: PLC0415
+        EventSource,
+        Recorder,
+        RingSource,
+        TeeSource,
+    )
+    from sits_trace.agent.daemon import Agent, format_stats_lines  # noqa: PLC0415
 
-    from .daemon import Agent, format_stats_lines  # noqa: PLC0415
-
-    def source(kernel: Any) -> Any:
-        ring = RingSource(kernel)
+    def source(ring: RingSource) -> EventSource:
         return TeeSource(ring, Recorder(record)) if record else ring
 
-    agent = Agent(cfg, sink, source_factory=source)
+    agent = Agent(cfg, sink, wrap_source=source)
     stop = threading.Event()
     _install_stop(stop)
     try:
@@ -157,7 +159,7 @@ def _replay(path: Path, sink: Any, port: int | None, redact_keys: list[str]) -> 
 
 @app.command()
 def run(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
 ) -> None:
     """Run the agent as a daemon: spans to the configured exporters until SIGTERM/SIGINT.
 
@@ -167,9 +169,8 @@ def run(
         cfg = load_config(config)
     except ConfigError as exc:
         _fail(str(exc))
+    from sits_trace.agent.daemon import Agent, format_stats_lines  # noqa: PLC0415
     from sits_trace.exporters import build_exporters  # noqa: PLC0415
-
-    from .daemon import Agent, format_stats_lines  # noqa: PLC0415
 
     try:
         exporters = build_exporters(cfg)
@@ -199,7 +200,7 @@ def run(
 
 def _shutdown(exporters: Any) -> None:
     """Flush and stop the exporters within STOP_FLUSH_S together."""
-    from .daemon import STOP_FLUSH_S
+    from sits_trace.agent.daemon import STOP_FLUSH_S  # noqa: PLC0415 - BCC stack: on use
 
     exporters.shutdown(STOP_FLUSH_S / max(1, len(exporters.exporters)))
 
@@ -207,7 +208,7 @@ def _shutdown(exporters: Any) -> None:
 def _reload(config: Path | None, agent: Any, old: Any) -> Any:
     """SIGHUP: read the config file again; new exporters (endpoints, a reopened JSONL file
     after logrotate's rename) and CPU budget. A bad file keeps everything as it was."""
-    from sits_trace.exporters import build_exporters
+    from sits_trace.exporters import build_exporters  # noqa: PLC0415 - OTel stack: on use
 
     try:
         cfg = load_config(config)
@@ -234,7 +235,7 @@ def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable result")] = False,
 ) -> None:
     """Check what the agent needs, and print the one-line fix for each missing thing."""
-    from .doctor import render, run_checks  # noqa: PLC0415
+    from sits_trace.agent.doctor import render, run_checks  # noqa: PLC0415
 
     checks = run_checks()
     if as_json:
@@ -248,7 +249,7 @@ def doctor(
 @app.command()
 def stats() -> None:
     """Print the running agent's counters (events seen and lost, spans, parser resyncs)."""
-    from .config import STATS_PATH  # noqa: PLC0415
+    from sits_trace.agent.config import STATS_PATH  # noqa: PLC0415
 
     try:
         typer.echo(STATS_PATH.read_text())

@@ -13,9 +13,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from sits_trace.agent.tracing.redact import DEFAULT_QUERY_KEYS
-
 STATS_PATH = Path(os.environ.get("SITS_STATS_PATH", "/run/sits-trace/stats.json"))
+
+
+# query keys whose values are replaced (compared case-insensitively); trace.redact_query_keys
+DEFAULT_QUERY_KEYS: tuple[str, ...] = (
+    "access_token", "api_key", "apikey", "auth", "client_secret", "code", "key", "passwd",
+    "password", "secret", "sig", "signature", "token", "x-amz-signature", "x-goog-signature",
+    "awsaccesskeyid",
+)
 
 
 def default_cpu_budget(cpus: int | None = None) -> float:

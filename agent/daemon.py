@@ -18,8 +18,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from sits_trace.agent.capture.events import Kind
-from sits_trace.agent.capture.loader import EventSource, Kernel, LoadOptions, RingSource, load
+from sits_trace.agent.capture.loader import (
+    EventSource,
+    Kernel,
+    LoadOptions,
+    RingSource,
+    load,
+    ring_shedder,
+    shedding,
+)
 from sits_trace.agent.capture.probes import TLS_LIBRARIES, mapped_libraries, tracefs_root
+from sits_trace.agent.capture.shedding import LoadShedder
 from sits_trace.agent.clock import realtime_offset_ns
 from sits_trace.agent.config import STATS_PATH, Config
 from sits_trace.agent.model import AgentStats, MetricSample
@@ -33,7 +42,6 @@ from sits_trace.agent.tracing.redact import QueryRedactor
 from sits_trace.agent.tracing.spans import SpanBuilder
 from sits_trace.analyzers.features import FeatureFrame
 from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samples, metric_samples
-
 
 # SIGTERM to exit: the ring is read for at most this long after the probes are detached;
 # exporters get STOP_FLUSH_S more (systemd's default TimeoutStopSec is 90 s; ours is 10)
@@ -50,7 +58,7 @@ def _tracefs() -> Path | None:
 
 class Agent:
     def __init__(self, cfg: Config, sink: SpanSink, *, procfs: ProcFS | None = None,
-                 source_factory: Callable[[Kernel], EventSource] | None = None,
+                 wrap_source: Callable[[RingSource], EventSource] | None = None,
                  gpu: GpuSignalConfig | None = None) -> None:
         self.cfg = cfg
         sig = cfg.signals
@@ -65,7 +73,9 @@ class Agent:
         self.procfs = procfs or ProcFS()
         self.kernel: Kernel | None = None
         self.tracer: Tracer | None = None
-        self._source_factory = source_factory or RingSource
+        self._wrap_source = wrap_source  # e.g. a recorder around the ring (`trace --record`)
+        self._ring: RingSource | None = None
+        self.shedder: LoadShedder | None = None  # the loop ticks it: trace.cpu_budget
         self._rescans: Rescans | None = None
         self._last_stats_write = 0.0
         self.drain_abandoned_bytes = 0  # ring bytes left unread at the stop deadline
@@ -82,12 +92,15 @@ class Agent:
         pids = self._target_pids()
         opts = LoadOptions(
             ringbuf_pages=t.ringbuf_mib * 256, max_payload=t.capture_bytes,
-            target_pids=pids, tls=t.tls, ssl_libraries=t.ssl_libraries, cpu_budget=t.cpu_budget,
+            target_pids=pids, tls=t.tls, ssl_libraries=t.ssl_libraries,
         )
         add = nodesignals.load_additions(self._node_cfg, _tracefs(), self.procfs.root)
         # both append to extra_programs/defines/tracepoints: they compose in either order
         self.kernel = load(nodesignals.extend_options(cuda_options(opts, self._gpu_cfg), add))
-        source = self._source_factory(self.kernel)
+        ring = self._ring = RingSource(self.kernel)
+        source = self._wrap_source(ring) if self._wrap_source is not None else ring
+        self.shedder = ring_shedder(self.kernel, ring, t.cpu_budget)
+        kernel, shedder = self.kernel, self.shedder
         offset = realtime_offset_ns()
         builder = SpanBuilder(clock_offset_ns=offset,
                               redactor=QueryRedactor(t.redact_query_keys))
@@ -95,7 +108,7 @@ class Agent:
         self.tracer = Tracer(
             source, self.sink, builder, procfs=self.procfs, port=t.port or None,
             on_process_exec=self._on_exec, on_process_exit=self._on_process_exit,
-            idle_ns=int(t.idle_timeout_s * 1e9),
+            idle_ns=int(t.idle_timeout_s * 1e9), shedding=lambda: shedding(kernel, shedder),
         )
         self.node = NodeSignals.from_kernel(self.kernel, proc_root=self.procfs.root)
         with_conns: set[int] = set()
@@ -151,6 +164,8 @@ class Agent:
 
     def step(self) -> None:
         assert self.tracer is not None and self._rescans is not None
+        if self.shedder is not None:
+            self.shedder.tick()
         self.tracer.poll(self.cfg.trace.poll_ms)
         self._rescans.run_due()
         for s in self.signals:
@@ -181,9 +196,8 @@ class Agent:
 
     def set_cpu_budget(self, cores: float) -> None:
         self.cfg.trace.cpu_budget = cores
-        shedder = getattr(self.tracer.source if self.tracer else None, "shedder", None)
-        if shedder is not None:
-            shedder.budget = cores
+        if self.shedder is not None:
+            self.shedder.budget = cores
 
     def drain(self, deadline_s: float = DRAIN_S) -> None:
         """Stop: detach the probes (no new records), read what is queued in the ring for
@@ -196,8 +210,7 @@ class Agent:
         while time.monotonic() < end:
             if not self.tracer.poll(0):
                 break
-        pending = getattr(self.tracer.source, "pending_bytes", None)
-        self.drain_abandoned_bytes = int(pending()) if pending is not None else 0
+        self.drain_abandoned_bytes = self._ring.pending_bytes() if self._ring is not None else 0
         self.tracer.close_all()
         if self.features is not None:
             self.features.stop()

@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 
 from sits_trace.agent.capture.bpfmaps import _BPF_OBJ_GET_INFO_BY_FD, _SYS_BPF, _InfoAttr, _ProgInfo
-from sits_trace.agent.capture.loader import LoadOptions, RingSource, load
+from sits_trace.agent.capture.loader import LoadOptions, RingSource, load, ring_shedder
+from sits_trace.agent.config import default_cpu_budget
 from sits_trace.agent.tracing.procfs import ProcFS
 
 
@@ -37,11 +38,13 @@ def main() -> int:
     pids = [args.pid, *ProcFS().children(args.pid)]  # nginx: the master and its workers
     kernel = load(LoadOptions(target_pids=pids))
     src = RingSource(kernel)
+    shedder = ring_shedder(kernel, src, default_cpu_budget())  # as the agent's loop does
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print("tracing (kernel only)", file=sys.stderr, flush=True)
     n = size = 0
     while not stop.is_set():
+        shedder.tick()
         recs = src.read(50)
         n += len(recs)
         size += sum(map(len, recs))

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from sits_trace.agent.config import default_cpu_budget
-
 from . import bpfsrc, ringbuf
+from .btf import socket_walk_defines
 from .probes import (
     HTTP_TRACEPOINTS,
     TLS_LIBRARIES,
@@ -33,7 +32,6 @@ from .probes import (
     find_libraries,
     tracefs_root,
 )
-from .btf import socket_walk_defines
 from .ringbuf import MmapRing
 from .shedding import LoadShedder
 
@@ -56,7 +54,6 @@ class LoadOptions:
     extra_uprobes: Sequence[Uprobe] = ()
     extra_defines: dict[str, int | str] = field(default_factory=dict)
     ssl_libraries: Sequence[str] = ()  # extra libssl paths to probe
-    cpu_budget: float = field(default_factory=default_cpu_budget)  # cores; 0: never shed
 
 
 class BccUnavailable(ProbeError):
@@ -65,7 +62,7 @@ class BccUnavailable(ProbeError):
 
 def import_bcc() -> Any:
     try:
-        import bcc
+        import bcc  # noqa: PLC0415 - a missing bcc is one clear line, not an import error
     except ImportError as exc:
         raise BccUnavailable(
             "the bcc Python module is missing: run `make setup` (installs Debian's python3-bpfcc "
@@ -148,7 +145,7 @@ class Kernel:
                         self.bpf.attach_uretprobe(name=library, sym=p.symbol,
                                                   fn_name=p.fn_exit)
                     self._attached.add(key)
-                except Exception as exc:  # bcc raises bare Exception
+                except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception
                     st.ok = False
                     st.detail = str(exc).splitlines()[0][:200]
                 out.append(st)
@@ -201,7 +198,7 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
         "SITS_RINGBUF_PAGES": opts.ringbuf_pages,
         "SITS_MAX_PAYLOAD": opts.max_payload,
         "SITS_FILTER_PIDS": 1 if opts.target_pids else 0,
-        **{d: 1 for d in missing_defines},
+        **dict.fromkeys(missing_defines, 1),
         **socket_walk_defines(),  # {} without kernel BTF: addresses then come from /proc
         **opts.extra_defines,
     }
@@ -246,9 +243,6 @@ class RingSource:
         table = kernel.bpf[map_name]
         if ringbuf.supported() and os.environ.get("SITS_RING_READER", "mmap") != "bcc":
             self._mmap = MmapRing(table.map_fd, kernel.opts.ringbuf_pages * mmap.PAGESIZE)
-        self.shedder = LoadShedder(kernel.set_capture_shift, cpu_budget=kernel.opts.cpu_budget,
-                                   lost=lambda: sum(kernel.counters("lost").values()),
-                                   ring=self._ring_progress, exchanges=kernel.exchanges)
         if self._mmap is not None:
             return
         self._batch: list[bytes] = []
@@ -262,24 +256,20 @@ class RingSource:
         self._cb = _cb  # keep a reference: bcc holds only a C pointer
         table.open_ring_buffer(_cb)
 
-    def _ring_progress(self) -> tuple[int, int]:
+    def ring_progress(self) -> tuple[int, int]:
+        """(bytes read so far, bytes waiting): how busy the ring is, for the load shedder."""
         m = self._mmap
         return (m.read_bytes(), m.pending_bytes()) if m is not None else (self._read_bytes, 0)
 
     def pending_bytes(self) -> int:
         """Bytes waiting in the ring (0 where the reader cannot tell)."""
-        return self._ring_progress()[1]
+        return self.ring_progress()[1]
 
     @property
     def reader(self) -> str:
         return "mmap" if self._mmap is not None else "bcc"
 
-    def shedding(self) -> tuple[int, int]:
-        """(current capture shift, exchanges skipped so far)."""
-        return self.shedder.state.shift, sum(self._kernel.shed_counts().values())
-
     def read(self, timeout_ms: int) -> list[bytes]:
-        self.shedder.tick()
         if self._mmap is not None:
             return self._mmap.read(timeout_ms)
         self._bpf.ring_buffer_poll(timeout_ms)
@@ -369,17 +359,22 @@ class TeeSource:
         inner = getattr(self.inner, "pending_bytes", None)
         return int(inner()) if inner is not None else 0
 
-    @property
-    def shedder(self) -> object:
-        return getattr(self.inner, "shedder", None)
-
-    def shedding(self) -> tuple[int, int]:
-        inner = getattr(self.inner, "shedding", None)
-        return inner() if inner is not None else (0, 0)
-
     def close(self) -> None:
         self.inner.close()
         self.recorder.close()
 
 
 OnRecords = Callable[[list[bytes]], None]
+
+
+def ring_shedder(kernel: Kernel, ring: RingSource, cpu_budget: float) -> LoadShedder:
+    """The load shedder of a loaded kernel read through `ring`. Whoever drives the read loop
+    owns it (the daemon): it ticks it before each read and reports `shedding(...)`."""
+    return LoadShedder(kernel.set_capture_shift, cpu_budget=cpu_budget,
+                       lost=lambda: sum(kernel.counters("lost").values()),
+                       ring=ring.ring_progress, exchanges=kernel.exchanges)
+
+
+def shedding(kernel: Kernel, shedder: LoadShedder) -> tuple[int, int]:
+    """(current capture shift, exchanges the kernel skipped so far)."""
+    return shedder.state.shift, sum(kernel.shed_counts().values())

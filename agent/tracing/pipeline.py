@@ -76,8 +76,10 @@ class Tracer:
         idle_ns: int = 30_000_000_000,
         annotators: Iterable[Annotator] = (),
         handlers: dict[int, RecordHandler] | None = None,
+        shedding: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
         self.source = source
+        self._shedding = shedding  # (capture shift, exchanges shed): from the loop's shedder
         self.sink = sink
         self.builder = builder
         self.procfs = procfs or ProcFS()
@@ -111,10 +113,9 @@ class Tracer:
         return len(recs)
 
     def _read_shedding(self) -> None:
-        """The kernel's load-shedding state into the stats (sources that shed have it)."""
-        shedding = getattr(self.source, "shedding", None)
-        if shedding is not None:
-            self.stats.capture_shift, self.stats.exchanges_shed = shedding()
+        """The kernel's load-shedding state into the stats (when the loop sheds load)."""
+        if self._shedding is not None:
+            self.stats.capture_shift, self.stats.exchanges_shed = self._shedding()
 
     def process(self, records: Iterable[bytes]) -> None:
         handlers = self.handlers

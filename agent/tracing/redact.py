@@ -12,14 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from urllib.parse import unquote_plus
 
+from sits_trace.agent.config import DEFAULT_QUERY_KEYS
+
 REDACTED_VALUE = "REDACTED"
 
-# query keys whose values are replaced (compared case-insensitively); trace.redact_query_keys
-DEFAULT_QUERY_KEYS: tuple[str, ...] = (
-    "access_token", "api_key", "apikey", "auth", "client_secret", "code", "key", "passwd",
-    "password", "secret", "sig", "signature", "token", "x-amz-signature", "x-goog-signature",
-    "awsaccesskeyid",
-)
 
 
 class QueryRedactor:

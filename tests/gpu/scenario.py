@@ -102,11 +102,6 @@ class CudaTee:
                 : self.keep - len(self.kept)]
         return list(recs)
 
-    def shedding(self) -> tuple[int, int]:
-        """The inner source's (capture shift, exchanges skipped): the tracer's stats read it."""
-        shift, shed = self.inner.shedding()
-        return int(shift), int(shed)
-
     def close(self) -> None:
         self.inner.close()
 
@@ -175,7 +170,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(a.deadline_s, exit=True)  # a hang shows every thread
     import_package()
     from sits_trace.agent import config
-    from sits_trace.agent.capture.loader import Recorder, RingSource
+    from sits_trace.agent.capture.loader import Recorder
     from sits_trace.agent.daemon import Agent
     from sits_trace.agent.model import Span
     from sits_trace.agent.signals.cuda import doctor_checks
@@ -212,8 +207,8 @@ def main() -> None:
         cfg = config.load(env={}, overrides={"trace.port": a.port})
         tee: dict[str, CudaTee] = {}
 
-        def source(k: Any) -> CudaTee:
-            tee["t"] = CudaTee(RingSource(k))
+        def source(ring: Any) -> CudaTee:
+            tee["t"] = CudaTee(ring)
             return tee["t"]
 
         log(f"untraced done: {phases['untraced']['client']}")
@@ -221,7 +216,7 @@ def main() -> None:
         nv = load_nvml()
         rec = RecordingNvml(nv, meta={"device": summary["nvidia_smi"],
                                       "scenario": "tests/gpu/scenario.py"}) if nv else None
-        agent = Agent(cfg, sink, source_factory=source, gpu=GpuSignalConfig(nvml_module=rec))
+        agent = Agent(cfg, sink, wrap_source=source, gpu=GpuSignalConfig(nvml_module=rec))
         agent.start()
         summary["agent_start_s"] = time.monotonic() - t_load
         log(f"agent started in {summary['agent_start_s']:.1f}s")
@@ -278,7 +273,8 @@ def main() -> None:
                                            "node_signals")}
         src = tee["t"].inner if "t" in tee else None
         if src is not None:
-            sh = src.shedder
+            sh = agent.shedder
+            assert sh is not None
             summary["shedding"] = {"reader": src.reader, "cpu_budget": sh.budget,
                                    **dataclasses.asdict(sh.state),
                                    "kernel_shed": sum(agent.kernel.shed_counts().values())}
