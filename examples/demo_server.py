@@ -18,7 +18,7 @@ import time
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: object) -> None:
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - base signature
         pass
 
     def _send(self, code: int, body: bytes) -> None:
@@ -38,7 +38,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             time.sleep(0.02)
         self.wfile.write(b"0\r\n\r\n")
 
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path.startswith("/status/"):
             code = int(self.path.split("/")[2])
             self._send(code, b"status %d\n" % code)
@@ -50,7 +50,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             self._send(200, b"ok " + self.path.encode() + b"\n")
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802
         n = int(self.headers.get("Content-Length", 0))
         body = self.rfile.read(n)
         self._send(200, b"got %d\n" % len(body))

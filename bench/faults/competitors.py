@@ -202,7 +202,7 @@ def start_cpu_competitor(victim_pid: int, intensity: float = 1.0, duration_s: fl
     preexec = _join_cgroup(cg) if cg is not None else None
     # a new process group for clean killing, but the same session: setsid would make a
     # new autogroup and the competitor would stop competing
-    p = subprocess.Popen(argv, preexec_fn=preexec, process_group=0,
+    p = subprocess.Popen(argv, preexec_fn=preexec, process_group=0,  # noqa: PLW1509 (no threads fork here; 3.11 has no cgroup= for Popen)
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     comp = Competitor("cpu_starvation", p, "stress-ng", chosen,
                       {"workers": workers, "cgroup": str(cg) if cg else None,

@@ -382,7 +382,7 @@ class Topology:
             fd = os.open(_ns_path(ns), os.O_RDONLY)
             try:
                 # setns between fork and exec: 3.11 has no os.setns, and `ip netns exec` is out
-                p = subprocess.Popen(list(argv), preexec_fn=_enter_netns_fd(fd), **kw)
+                p = subprocess.Popen(list(argv), preexec_fn=_enter_netns_fd(fd), **kw)  # noqa: PLW1509
             finally:
                 os.close(fd)
         self._procs.append(_Proc(p, group))

@@ -70,7 +70,7 @@ def _die_with_parent() -> None:
 
 def start_proc(args: list[str], ready: str, timeout: float = 180.0) -> tuple[subprocess.Popen[str], str]:
     p = subprocess.Popen([PY, *args], stdout=subprocess.PIPE, text=True, bufsize=1,
-                         preexec_fn=_die_with_parent)
+                         preexec_fn=_die_with_parent)  # noqa: PLW1509 - set before threads
     deadline = time.monotonic() + timeout
     assert p.stdout is not None
     while time.monotonic() < deadline:
