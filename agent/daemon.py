@@ -80,6 +80,7 @@ class Agent:
         self._rescans: Rescans | None = None
         self._last_stats_write = 0.0
         self.drain_abandoned_bytes = 0  # ring bytes left unread at the stop deadline
+        self.heartbeat = time.monotonic()  # last loop turn (the systemd watchdog reads it)
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []
@@ -162,6 +163,7 @@ class Agent:
     def step(self) -> None:
         assert self.tracer is not None and self._rescans is not None
         self.tracer.poll(self.cfg.trace.poll_ms)
+        self.heartbeat = time.monotonic()
         self._rescans.run_due()
         if self.gpu is not None:
             self.gpu.poll()
