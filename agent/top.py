@@ -53,9 +53,13 @@ def fmt_ms(v: float | None) -> str:
     return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
+def fmt_rate(v: float) -> str:
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
 def row_cells(r: dict[str, Any]) -> list[str]:
     return [r["service"][:16], r["route"][:40], r["kind"][:6], str(r["port"]),
-            f"{r['rate_per_s']:.1f}", f"{100 * r['error_rate']:.1f}",
+            fmt_rate(r["rate_per_s"]), f"{100 * r['error_rate']:.1f}",
             fmt_ms(r["latency_p50_ms"]), fmt_ms(r["latency_p95_ms"]), fmt_ms(r["latency_p99_ms"]),
             fmt_ms(r["ttft_p50_ms"]), fmt_ms(r["ttft_p95_ms"]), sparkline(r["rate_history"], 20)]
 
@@ -295,11 +299,12 @@ def make_app(source: SnapshotSource, interval_s: float = 1.0, filter_text: str =
             table = self.query_one(DataTable)
             for label, key, _ in COLUMNS:
                 table.add_column(label, key=key)
+            table.focus()  # keys go to the table; "/" opens the filter box
             self.refresh_data()
             self.set_interval(interval_s, self.refresh_data)
 
         def refresh_data(self) -> None:
-            if self.paused:
+            if self.paused or len(self.screen_stack) > 1:  # frozen while a drill-down is open
                 return
             try:
                 self.snap = self.source.snapshot()
