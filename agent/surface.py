@@ -34,11 +34,13 @@ class AgentLike(Protocol):
     def features(self) -> Any: ...
 
 
-def snapshot(agent: AgentLike, live: LiveView, source: str = "daemon") -> dict[str, Any]:
-    """The `snapshot` op: the live view with the newest feature row and the agent's stats."""
+def snapshot(agent: AgentLike, live: LiveView, source: str = "daemon",
+             slowest: bool = True) -> dict[str, Any]:
+    """The `snapshot` op: the live view with the newest feature row and the agent's stats
+    (`summary`: the same without each route's slowest spans)."""
     frame: _Frame | None = agent.features
     row = frame.latest() if frame is not None else {}
-    out: dict[str, Any] = live.snapshot(row=row, agent_stats=agent.stats())
+    out: dict[str, Any] = live.snapshot(row=row, agent_stats=agent.stats(), slowest=slowest)
     out["source"] = source
     return out
 
@@ -47,6 +49,7 @@ def ops(agent: AgentLike, live: LiveView) -> dict[str, Op]:
     return {
         "ping": lambda: {"ok": True},
         "snapshot": lambda: snapshot(agent, live),
+        "summary": lambda: snapshot(agent, live, slowest=False),
         "stats": agent.stats,
     }
 

@@ -28,7 +28,7 @@ COLUMNS: tuple[tuple[str, str, bool], ...] = (
 class SnapshotSource(Protocol):
     name: str
 
-    def snapshot(self) -> Snapshot: ...
+    def snapshot(self, slowest: bool = True) -> Snapshot: ...
 
     def close(self) -> None: ...
 
@@ -192,10 +192,10 @@ class DaemonSource:
     def __init__(self, socket_path: str) -> None:
         self.path = socket_path
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, slowest: bool = True) -> Snapshot:
         from .api import query
 
-        snap: Snapshot = query(self.path, "snapshot")
+        snap: Snapshot = query(self.path, "snapshot" if slowest else "summary")
         return snap
 
     def close(self) -> None:
@@ -225,10 +225,10 @@ class LocalSource:
                                         name="sits-agent", daemon=True)
         self._thread.start()
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, slowest: bool = True) -> Snapshot:
         from .surface import snapshot
 
-        return snapshot(self.agent, self.live, source=self.name)
+        return snapshot(self.agent, self.live, source=self.name, slowest=slowest)
 
     def close(self) -> None:
         self._stop.set()
@@ -238,13 +238,26 @@ class LocalSource:
 
 # ---- the app ----
 
+def table_lines(routes: list[dict[str, Any]], sort_index: int, reverse: bool) -> list[str]:
+    """The header and one line per route, columns padded to their widest cell."""
+    header = [c[0] + (("v" if reverse else "^") if i == sort_index else "")
+              for i, c in enumerate(COLUMNS)]
+    rows = [row_cells(r) for r in routes]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    return ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in [header, *rows]]
+
+
 def make_app(source: SnapshotSource, interval_s: float = 1.0, filter_text: str = "") -> Any:
-    """The textual App (imported here so `--once` and the API never import textual)."""
+    """The textual App (imported here so `--once` and the API never import textual).
+
+    The routes table is one Text redrawn per refresh (a DataTable re-renders every cell on
+    each change: ~10x the CPU at 30 routes), with its own cursor."""
+    from rich.text import Text
     from textual.app import App, ComposeResult
     from textual.binding import Binding
     from textual.containers import VerticalScroll
     from textual.screen import Screen
-    from textual.widgets import DataTable, Footer, Input, Static
+    from textual.widgets import Footer, Input, Static
 
     class DetailScreen(Screen[None]):
         BINDINGS: ClassVar[list[Any]] = [Binding("escape,q", "app.pop_screen", "Back")]
@@ -256,23 +269,28 @@ def make_app(source: SnapshotSource, interval_s: float = 1.0, filter_text: str =
         def compose(self) -> ComposeResult:
             r = self.route
             yield Static(f"slowest recent requests of {r['service']} {r['kind']} {r['route']} "
-                         f"port {r['port']} (window {len(r['slowest'])} kept)", id="detail-title")
+                         f"port {r['port']} ({len(r['slowest'])} kept)", id="detail-title")
             with VerticalScroll():
                 for i, span in enumerate(r["slowest"], 1):
-                    yield Static(f"#{i}\n{span_detail(span)}\n", classes="span")
+                    yield Static(f"#{i}\n{span_detail(span)}\n", classes="span", markup=False)
                 if not r["slowest"]:
                     yield Static("no request in the window")
             yield Footer()
 
     class TopApp(App[None]):
         TITLE = "sits-trace top"
+        AUTO_FOCUS = None  # keys go to the app's bindings; "/" focuses the filter box
         CSS = ("#status, #gpu, #verdicts { height: auto; padding: 0 1; } "
                "#filter { display: none; } #filter.shown { display: block; } "
-               "DataTable { height: 1fr; } .span { padding: 0 1; border-bottom: solid $panel; }")
+               "#routes { height: 1fr; padding: 0 1; } "
+               ".span { padding: 0 1; border-bottom: solid $panel; }")
         BINDINGS: ClassVar[list[Any]] = [
             Binding("q", "quit", "Quit"), Binding("slash", "filter", "Filter"),
             Binding("s", "sort", "Sort"), Binding("r", "reverse", "Reverse"),
             Binding("enter", "drill", "Slowest requests"), Binding("p", "pause", "Pause"),
+            Binding("up,k", "move(-1)", "Up", show=False),
+            Binding("down,j", "move(1)", "Down", show=False),
+            Binding("pageup", "move(-10)", show=False), Binding("pagedown", "move(10)", show=False),
         ]
 
         def __init__(self) -> None:
@@ -284,22 +302,20 @@ def make_app(source: SnapshotSource, interval_s: float = 1.0, filter_text: str =
             self.paused = False
             self.snap: Snapshot = {}
             self.shown: list[dict[str, Any]] = []
+            self.cursor = 0
+            self.texts: dict[str, str] = {}
             self.error = ""
 
         def compose(self) -> ComposeResult:
-            yield Static("", id="status")
-            yield Static("", id="gpu")
+            yield Static("", id="status", markup=False)
+            yield Static("", id="gpu", markup=False)
             yield Input(placeholder="filter: pid:N port:N route:S service:S or any text (Enter)",
                         id="filter", value=filter_text)
-            yield DataTable(id="routes", cursor_type="row", zebra_stripes=True)
-            yield Static("", id="verdicts")
+            yield Static("", id="routes")
+            yield Static("", id="verdicts", markup=False)
             yield Footer()
 
         def on_mount(self) -> None:
-            table = self.query_one(DataTable)
-            for label, key, _ in COLUMNS:
-                table.add_column(label, key=key)
-            table.focus()  # keys go to the table; "/" opens the filter box
             self.refresh_data()
             self.set_interval(interval_s, self.refresh_data)
 
@@ -307,34 +323,56 @@ def make_app(source: SnapshotSource, interval_s: float = 1.0, filter_text: str =
             if self.paused or len(self.screen_stack) > 1:  # frozen while a drill-down is open
                 return
             try:
-                self.snap = self.source.snapshot()
+                self.snap = self.source.snapshot(slowest=False)
                 self.error = ""
             except Exception as exc:  # noqa: BLE001 - shown in the status line, retried
                 self.error = str(exc)
             self.redraw()
 
+        def _set(self, selector: str, text: str) -> None:
+            if self.texts.get(selector) != text:
+                self.texts[selector] = text
+                self.query_one(selector, Static).update(text)
+
         def redraw(self) -> None:
             snap = self.snap
             status = agent_line(snap) + "\n" + node_line(snap)
             if self.error:
-                status += f"\n[b red]{self.error}[/]"
-            self.query_one("#status", Static).update(status)
-            self.query_one("#gpu", Static).update("\n".join(gpu_lines(snap)))
-            self.query_one("#verdicts", Static).update("\n".join(verdict_lines(snap)))
+                status += f"\n{self.error}"
+            self._set("#status", status)
+            self._set("#gpu", "\n".join(gpu_lines(snap)))
+            self._set("#verdicts", "\n".join(verdict_lines(snap)))
             _, key, _ = COLUMNS[self.sort_index]
             self.shown = sort_routes([r for r in snap.get("routes", []) if self.filter.matches(r)],
                                      key, self.reverse)
-            table = self.query_one(DataTable)
-            cursor = table.cursor_row
-            table.clear()
-            for r in self.shown:
-                table.add_row(*row_cells(r), key=f"{r['service']}|{r['kind']}|{r['port']}|{r['route']}")
-            if self.shown:
-                table.move_cursor(row=min(cursor, len(self.shown) - 1))
-            arrow = "v" if self.reverse else "^"
-            self.sub_title = (f"{len(self.shown)} routes  sort {COLUMNS[self.sort_index][0]} {arrow}"
+            self.cursor = max(0, min(self.cursor, len(self.shown) - 1))
+            self._draw_table()
+            self.sub_title = (f"{len(self.shown)} routes  sort {COLUMNS[self.sort_index][0]}"
                               + (f"  filter '{self.filter.text}'" if self.filter.text else "")
                               + ("  PAUSED" if self.paused else ""))
+
+        def _draw_table(self) -> None:
+            widget = self.query_one("#routes", Static)
+            lines = table_lines(self.shown, self.sort_index, self.reverse)
+            height = max(2, widget.size.height or 20) - 1
+            top = max(0, self.cursor - height + 1)
+            text = Text(lines[0] + "\n", style="bold", no_wrap=True, overflow="crop")
+            for i, line in enumerate(lines[1 + top: 1 + top + height], top):
+                text.append(line + "\n", style="reverse" if i == self.cursor else "")
+            if not self.shown:
+                text.append("(no requests in the window yet)")
+            key = "\n".join(lines) + f"|{self.cursor}|{top}"
+            if self.texts.get("#routes") != key:
+                self.texts["#routes"] = key
+                widget.update(text)
+
+        def visible_routes(self) -> list[str]:
+            """The table's route lines, as shown (tests read it)."""
+            return table_lines(self.shown, self.sort_index, self.reverse)[1:]
+
+        def action_move(self, delta: int) -> None:
+            self.cursor = max(0, min(self.cursor + delta, len(self.shown) - 1))
+            self._draw_table()
 
         def action_filter(self) -> None:
             box = self.query_one("#filter", Input)
@@ -345,18 +383,12 @@ def make_app(source: SnapshotSource, interval_s: float = 1.0, filter_text: str =
             self.filter = Filter(event.value.strip())
             if not self.filter.text:
                 event.input.remove_class("shown")
-            self.query_one(DataTable).focus()
+            self.set_focus(None)
             self.redraw()
 
         def action_sort(self) -> None:
             self.sort_index = (self.sort_index + 1) % len(COLUMNS)
             self.reverse = COLUMNS[self.sort_index][2]
-            self.redraw()
-
-        def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
-            i = event.column_index
-            self.reverse = not self.reverse if i == self.sort_index else COLUMNS[i][2]
-            self.sort_index = i
             self.redraw()
 
         def action_reverse(self) -> None:
@@ -368,14 +400,24 @@ def make_app(source: SnapshotSource, interval_s: float = 1.0, filter_text: str =
             self.redraw()
 
         def action_drill(self) -> None:
-            row = self.query_one(DataTable).cursor_row
-            if 0 <= row < len(self.shown):
-                self.push_screen(DetailScreen(self.shown[row]))
-
-        def on_data_table_row_selected(self, _event: DataTable.RowSelected) -> None:
-            self.action_drill()
+            if not 0 <= self.cursor < len(self.shown):
+                return
+            want = _route_id(self.shown[self.cursor])
+            try:  # the slowest spans travel only on demand
+                full = self.source.snapshot(slowest=True)
+            except Exception as exc:  # noqa: BLE001 - shown, the view goes on
+                self.error = str(exc)
+                self.redraw()
+                return
+            route = next((r for r in full.get("routes", []) if _route_id(r) == want),
+                         self.shown[self.cursor] | {"slowest": []})
+            self.push_screen(DetailScreen(route))
 
     return TopApp()
+
+
+def _route_id(r: dict[str, Any]) -> str:
+    return f"{r['service']}|{r['kind']}|{r['port']}|{r['route']}"
 
 
 def open_source(socket_path: str, start_local: Callable[[], LocalSource]) -> SnapshotSource:

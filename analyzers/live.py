@@ -128,15 +128,17 @@ class LiveView:
 
     # ---- the reader side ----
 
-    def routes(self, now_ns: int | None = None) -> list[dict[str, Any]]:
+    def routes(self, now_ns: int | None = None, slowest: bool = True) -> list[dict[str, Any]]:
+        """Each route's numbers; `slowest=False` leaves the slowest spans out (a cheaper
+        answer for a view that refreshes every second)."""
         now = self._clock() if now_ns is None else now_ns
         with self._lock:
             copies = [(k, list(r.samples), [list(s) for s in r.seconds], sorted(r.pids))
                       for k, r in self._routes.items()]
-        return [self._route_view(k, s, secs, pids, now) for k, s, secs, pids in copies]
+        return [self._route_view(k, s, secs, pids, now, slowest) for k, s, secs, pids in copies]
 
     def _route_view(self, key: RouteKey, samples: list[_Sample], seconds: list[list[float]],
-                    pids: list[int], now: int) -> dict[str, Any]:
+                    pids: list[int], now: int, slowest: bool) -> dict[str, Any]:
         since = now - int(self.window_s * 1e9)
         recent = [s for s in samples if s.end_ns >= since]
         now_s = now // 1_000_000_000
@@ -153,15 +155,16 @@ class LiveView:
         }
         out.update(_percentiles("latency", [s.duration_ms for s in recent]))
         out.update(_percentiles("ttft", [s.ttft_ms for s in recent if not math.isnan(s.ttft_ms)]))
-        slow = sorted(recent, key=lambda s: s.duration_ms, reverse=True)[: self.slowest]
+        n = self.slowest if slowest else 0
+        slow = sorted(recent, key=lambda s: s.duration_ms, reverse=True)[:n] if n else []
         out["slowest"] = [s.span.to_json() | {"duration_ms": s.duration_ms} for s in slow]
         return out
 
     def snapshot(self, *, row: Row | None = None, agent_stats: Mapping[str, Any] | None = None,
-                 now_ns: int | None = None) -> dict[str, Any]:
+                 now_ns: int | None = None, slowest: bool = True) -> dict[str, Any]:
         """Everything `sits-trace top` shows, as plain JSON-able data."""
         now = self._clock() if now_ns is None else now_ns
-        routes = self.routes(now)
+        routes = self.routes(now, slowest)
         routes.sort(key=lambda r: (-r["rate_per_s"], r["service"], r["route"]))
         return {
             "time_unix": now / 1e9, "window_s": self.window_s, "spans_seen": self.spans_seen,
