@@ -195,8 +195,8 @@ def bpf_privileged(status: str | None = None) -> bool:
             return False
     eff = next((int(line.split()[1], 16) for line in status.splitlines()
                 if line.startswith("CapEff:")), 0)
-    has = lambda cap: bool(eff >> cap & 1)  # noqa: E731
-    return has(CAP_SYS_ADMIN) or (has(CAP_BPF) and has(CAP_PERFMON))
+    bits = {cap for cap in (CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF) if eff >> cap & 1}
+    return CAP_SYS_ADMIN in bits or {CAP_BPF, CAP_PERFMON} <= bits
 
 
 def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
