@@ -269,7 +269,7 @@ def stats() -> None:
         _fail(f"no stats at {STATS_PATH}: is `sits-trace run` running?", 1)
 
 
-from .opscli import register as _register_ops  # noqa: E402  (top, config, install-service)
+from .opscli import register as _register_ops  # top, config, install-service
 
 _register_ops(app)
 
