@@ -176,7 +176,10 @@ def run(
         exporters = build_exporters(cfg)
     except (ConfigError, OSError) as exc:
         _fail(str(exc))
-    agent = Agent(cfg, exporters.export_span)
+    from .surface import operator_surface
+
+    view = _live_view(cfg)  # what `sits-trace top` reads over the API socket
+    agent = Agent(cfg, view.tee(exporters.export_span))
     stop, reload = threading.Event(), threading.Event()
     _install_stop(stop, reload)
     try:
@@ -184,15 +187,17 @@ def run(
     except ProbeError as exc:
         _fail(str(exc))
     exporters.attach_agent(agent)
+    surface = operator_surface(cfg, agent, view, _fail)  # API socket, then READY=1
     typer.echo("sits-trace: agent running", err=True)
     live = [exporters]
 
     def on_reload() -> None:
-        live[0] = _reload(config, agent, live[0])
+        live[0] = _reload(config, agent, live[0], view.tee)
 
     try:
         agent.run(stop, reload=reload, on_reload=on_reload)
     finally:
+        surface.stop()
         _shutdown(live[0])
     for line in format_stats_lines(agent.stats()):
         typer.echo(f"sits-trace: {line}", err=True)
@@ -205,7 +210,8 @@ def _shutdown(exporters: Any) -> None:
     exporters.shutdown(STOP_FLUSH_S / max(1, len(exporters.exporters)))
 
 
-def _reload(config: Path | None, agent: Any, old: Any) -> Any:
+def _reload(config: Path | None, agent: Any, old: Any,
+            tee: Any = lambda sink: sink) -> Any:
     """SIGHUP: read the config file again; new exporters (endpoints, a reopened JSONL file
     after logrotate's rename) and CPU budget. A bad file keeps everything as it was."""
     from sits_trace.exporters import build_exporters  # noqa: PLC0415 - OTel stack: on use
@@ -223,11 +229,18 @@ def _reload(config: Path | None, agent: Any, old: Any) -> Any:
         cfg.export = agent.cfg.export
         new = build_exporters(agent.cfg)
     new.attach_agent(agent)
-    agent.set_sink(new.export_span)
+    agent.set_sink(tee(new.export_span))  # the live view keeps its spans
     agent.set_cpu_budget(cfg.trace.cpu_budget)
     agent.cfg.export = cfg.export
     typer.echo("sits-trace: configuration reloaded", err=True)
     return new
+
+
+def _live_view(cfg: Any) -> Any:
+    from sits_trace.analyzers.live import LiveView
+
+    return LiveView(window_s=cfg.api.window_s, slowest=cfg.api.slowest,
+                    service_name=cfg.export.service_name)
 
 
 @app.command()
@@ -255,6 +268,11 @@ def stats() -> None:
         typer.echo(STATS_PATH.read_text())
     except OSError:
         _fail(f"no stats at {STATS_PATH}: is `sits-trace run` running?", 1)
+
+
+from .opscli import register as _register_ops  # top, config, install-service
+
+_register_ops(app)
 
 
 def main() -> None:

@@ -37,17 +37,17 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True)
 class TraceConfig:
-    pids: list[int] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # only these processes and their children; []: all
     port: int = 0  # 0: every port
-    tls: bool = True
+    tls: bool = True  # uprobes on OpenSSL SSL_read/SSL_write(_ex) for HTTPS plaintext
     capture_bytes: int = 4096  # payload captured per read/write (a power of two, 256..16384)
     ringbuf_mib: int = 16  # ring buffer size (a power of two)
-    poll_ms: int = 20
-    idle_timeout_s: float = 30.0
+    poll_ms: int = 20  # how often the ring buffer is drained (1..1000)
+    idle_timeout_s: float = 30.0  # an exchange stuck this long is given up
     # cores the agent may use; above it the kernel captures one exchange in 2**n (and counts
     # the rest) until it fits: see agent/capture/shedding.py. 0: capture everything, whatever it costs
     cpu_budget: float = field(default_factory=default_cpu_budget)  # 5% of CPUs, 0.1..1
-    ssl_libraries: list[str] = field(default_factory=list)
+    ssl_libraries: list[str] = field(default_factory=list)  # extra libssl paths to probe
     # query-string keys whose values every output shows as REDACTED ([] turns it off)
     redact_query_keys: list[str] = field(default_factory=lambda: list(DEFAULT_QUERY_KEYS))
 
@@ -58,16 +58,16 @@ class ExportConfig:
     otlp_endpoint: str = ""  # e.g. http://localhost:4317 ; "" disables (or OTEL_EXPORTER_OTLP_ENDPOINT)
     otlp_protocol: str = ""  # grpc | http/protobuf ; "" is OTEL_EXPORTER_OTLP_PROTOCOL, else grpc
     prometheus_port: int = 0  # 0 disables /metrics
-    prometheus_address: str = "127.0.0.1"
+    prometheus_address: str = "127.0.0.1"  # address /metrics listens on
     service_name: str = ""  # "" is OTEL_SERVICE_NAME, else each span's process.executable.name
     # the rest belongs to exporters/ (checked by exporters/_settings.py); see docs/export.md
     otlp_headers: str = ""  # "k=v,k2=v2"; "" is OTEL_EXPORTER_OTLP_HEADERS
     otlp_timeout_s: float = 0.0  # one export request; 0 is OTEL_EXPORTER_OTLP_TIMEOUT (ms), else 10
     otlp_metrics: bool = True  # RED + agent metrics over OTLP as well as traces
-    otlp_metrics_interval_s: float = 15.0
+    otlp_metrics_interval_s: float = 15.0  # how often metrics are pushed over OTLP
     resource_attributes: str = ""  # "k=v,..." over OTEL_RESOURCE_ATTRIBUTES
     queue_size: int = 8192  # spans held per exporter; more are dropped and counted
-    batch_size: int = 512
+    batch_size: int = 512  # spans per export request
     batch_delay_s: float = 1.0  # longest a span waits for its batch to fill
     retry_deadline_s: float = 30.0  # a batch the collector keeps refusing is dropped after this
     max_label_sets: int = 1000  # distinct label sets per HTTP duration metric; more go to route="_other"
@@ -87,10 +87,20 @@ class SignalsConfig:
 
 
 @dataclass(slots=True)
+class ApiConfig:
+    """The daemon's local read-only API (`sits-trace top` reads it): JSON lines on a Unix socket."""
+
+    socket: str = "/run/sits-trace/api.sock"  # "" disables; the directory is made root-only
+    window_s: float = 30.0  # request rate, error rate and percentiles cover this many seconds
+    slowest: int = 5  # slowest recent spans kept per route, with all their attributes
+
+
+@dataclass(slots=True)
 class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     signals: SignalsConfig = field(default_factory=SignalsConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
 
     def validate(self) -> Config:
         t = self.trace
@@ -111,10 +121,12 @@ class Config:
             raise ConfigError(f"export.otlp_endpoint: {e.otlp_endpoint!r} needs a scheme, "
                               "e.g. http://localhost:4317")
         _range("signals.features_keep_s", self.signals.features_keep_s, 10, 86400)
+        _range("api.window_s", self.api.window_s, 1, 3600)
+        _range("api.slowest", self.api.slowest, 0, 100)
         return self
 
 
-SECTIONS = ("trace", "export", "signals")
+SECTIONS = ("trace", "export", "signals", "api")
 
 
 def _range(key: str, v: float, lo: float, hi: float) -> None:

@@ -79,6 +79,7 @@ class Agent:
         self._rescans: Rescans | None = None
         self._last_stats_write = 0.0
         self.drain_abandoned_bytes = 0  # ring bytes left unread at the stop deadline
+        self.heartbeat = time.monotonic()  # last loop turn (the systemd watchdog reads it)
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []
@@ -167,6 +168,7 @@ class Agent:
         if self.shedder is not None:
             self.shedder.tick()
         self.tracer.poll(self.cfg.trace.poll_ms)
+        self.heartbeat = time.monotonic()
         self._rescans.run_due()
         for s in self.signals:
             s.poll()

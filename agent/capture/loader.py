@@ -177,12 +177,35 @@ def _quietly(fn: Callable[[Any], object], arg: Any) -> int:
     return 1
 
 
+CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
+
+
+def bpf_privileged(status: str | None = None) -> bool:
+    """Root, or the effective capabilities BPF tracing needs: CAP_BPF and CAP_PERFMON
+    (or CAP_SYS_ADMIN, which kernels before 5.8 ask for): a systemd unit runs without root."""
+    if status is None:
+        if os.geteuid() == 0:
+            return True
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:
+            return False
+    eff = next((int(line.split()[1], 16) for line in status.splitlines()
+                if line.startswith("CapEff:")), 0)
+    bits = {cap for cap in (CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF) if eff >> cap & 1}
+    return CAP_SYS_ADMIN in bits or {CAP_BPF, CAP_PERFMON} <= bits
+
+
 def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
     """Compile, load and attach. Raises ProbeError with a one-line reason and fix."""
     bcc = import_bcc()
-    if os.geteuid() != 0:
+    if not bpf_privileged():
         raise ProbeError("loading BPF programs needs root (or CAP_BPF+CAP_PERFMON): run with sudo")
-    root = tracefs_root()
+    try:
+        root = tracefs_root()
+    except PermissionError:  # tracefs is 0700 root: capabilities without DAC_READ_SEARCH
+        raise ProbeError("tracefs (/sys/kernel/tracing) is not readable: needs root or "
+                         "CAP_DAC_READ_SEARCH (and CAP_DAC_OVERRIDE for uprobes)") from None
     if root is None:
         raise ProbeError("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
     report = ProbeReport()

@@ -1,0 +1,89 @@
+"""`sits-trace install-service` / `uninstall-service`: the systemd unit (systemd/sits-trace.service
+with ExecStart pointing at this installation), /etc/sits-trace/config.toml (kept when present),
+then `systemctl daemon-reload` and `enable --now` when systemd is the init system."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+UNIT_NAME = "sits-trace.service"
+UNIT_SOURCE = Path(__file__).resolve().parent.parent / "systemd" / UNIT_NAME
+DEFAULT_EXEC = "/opt/sits-trace/.venv/bin/sits-trace"
+Runner = Callable[[list[str]], int]
+
+
+class ServiceError(RuntimeError):
+    """Cannot install or remove the service; the message says why."""
+
+
+def render_unit(executable: Path, source: Path = UNIT_SOURCE) -> str:
+    try:
+        text = source.read_text()
+    except OSError as exc:
+        raise ServiceError(f"unit template {source}: {exc.strerror}") from None
+    return text.replace(DEFAULT_EXEC, str(executable))
+
+
+def service_config() -> str:
+    """The defaults, with spans to no JSON stdout (the journal is not a span store)."""
+    from .configdoc import defaults_toml
+
+    return defaults_toml().replace('jsonl_path = "-"', 'jsonl_path = ""', 1)
+
+
+def systemd_running(root: Path) -> bool:
+    return root == Path("/") and Path("/run/systemd/system").is_dir()
+
+
+def _run(cmd: list[str]) -> int:
+    return subprocess.run(cmd, check=False).returncode
+
+
+def install(root: Path, executable: Path, enable: bool = True, run: Runner = _run
+            ) -> Iterator[str]:
+    unit = root / "etc/systemd/system" / UNIT_NAME
+    conf = root / "etc/sits-trace/config.toml"
+    text = render_unit(executable)
+    try:
+        unit.parent.mkdir(parents=True, exist_ok=True)
+        unit.write_text(text)
+        yield f"wrote {unit}"
+        if conf.exists():
+            yield f"kept {conf}"
+        else:
+            conf.parent.mkdir(parents=True, exist_ok=True)
+            conf.write_text(service_config())
+            yield f"wrote {conf}"
+    except OSError as exc:
+        raise ServiceError(f"{exc.filename}: {exc.strerror} (run as root)") from None
+    if not systemd_running(root):
+        yield "systemd is not the init system here: start it with `systemctl enable --now " \
+              "sits-trace` where it is"
+        return
+    if run(["systemctl", "daemon-reload"]) != 0:
+        raise ServiceError("systemctl daemon-reload failed")
+    if enable:
+        if run(["systemctl", "enable", "--now", UNIT_NAME]) != 0:
+            raise ServiceError("systemctl enable --now sits-trace failed: "
+                               "see journalctl -u sits-trace")
+        yield "enabled and started sits-trace.service"
+
+
+def uninstall(root: Path, purge: bool = False, run: Runner = _run) -> Iterator[str]:
+    unit = root / "etc/systemd/system" / UNIT_NAME
+    if systemd_running(root):
+        run(["systemctl", "disable", "--now", UNIT_NAME])
+    try:
+        if unit.exists():
+            unit.unlink()
+            yield f"removed {unit}"
+        if purge and (root / "etc/sits-trace").exists():
+            shutil.rmtree(root / "etc/sits-trace")
+            yield f"removed {root / 'etc/sits-trace'}"
+    except OSError as exc:
+        raise ServiceError(f"{exc.filename}: {exc.strerror} (run as root)") from None
+    if systemd_running(root):
+        run(["systemctl", "daemon-reload"])
