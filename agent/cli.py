@@ -176,7 +176,7 @@ def run(
         exporters = build_exporters(cfg)
     except (ConfigError, OSError) as exc:
         _fail(str(exc))
-    from .surface import operator_surface
+    from .surface import operator_surface  # noqa: PLC0415 - the API only for `run`
 
     view = _live_view(cfg)  # what `sits-trace top` reads over the API socket
     agent = Agent(cfg, view.tee(exporters.export_span))
@@ -237,7 +237,7 @@ def _reload(config: Path | None, agent: Any, old: Any,
 
 
 def _live_view(cfg: Any) -> Any:
-    from sits_trace.analyzers.live import LiveView
+    from sits_trace.analyzers.live import LiveView  # noqa: PLC0415 - numpy only when run
 
     return LiveView(window_s=cfg.api.window_s, slowest=cfg.api.slowest,
                     service_name=cfg.export.service_name)
@@ -270,7 +270,7 @@ def stats() -> None:
         _fail(f"no stats at {STATS_PATH}: is `sits-trace run` running?", 1)
 
 
-from .opscli import register as _register_ops  # top, config, install-service
+from .opscli import register as _register_ops  # noqa: E402 - top, config, install-service, after app exists
 
 _register_ops(app)
 

@@ -29,7 +29,7 @@ def render_unit(executable: Path, source: Path = UNIT_SOURCE) -> str:
 
 def service_config() -> str:
     """The defaults, with spans to no JSON stdout (the journal is not a span store)."""
-    from .configdoc import defaults_toml
+    from .configdoc import defaults_toml  # noqa: PLC0415 - only when installing
 
     return defaults_toml().replace('jsonl_path = "-"', 'jsonl_path = ""', 1)
 

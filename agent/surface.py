@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from sits_trace.agent.model import Row
+from sits_trace.agent.model import AgentStats, Row
 from sits_trace.analyzers.live import LiveView
 
 from . import sdnotify
@@ -28,7 +28,7 @@ class _Frame(Protocol):
 class AgentLike(Protocol):
     heartbeat: float
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> AgentStats: ...
 
     @property
     def features(self) -> Any: ...
@@ -40,7 +40,7 @@ def snapshot(agent: AgentLike, live: LiveView, source: str = "daemon",
     (`summary`: the same without each route's slowest spans)."""
     frame: _Frame | None = agent.features
     row = frame.latest() if frame is not None else {}
-    out: dict[str, Any] = live.snapshot(row=row, agent_stats=agent.stats(), slowest=slowest)
+    out: dict[str, Any] = live.snapshot(row=row, agent_stats=agent.stats().to_json(), slowest=slowest)
     out["source"] = source
     return out
 
@@ -50,7 +50,7 @@ def ops(agent: AgentLike, live: LiveView) -> dict[str, Op]:
         "ping": lambda: {"ok": True},
         "snapshot": lambda: snapshot(agent, live),
         "summary": lambda: snapshot(agent, live, slowest=False),
-        "stats": agent.stats,
+        "stats": lambda: agent.stats().to_json(),
     }
 
 
@@ -99,7 +99,7 @@ class Surface:
 def operator_surface(cfg: Any, agent: AgentLike, live: LiveView,
                      fail: Callable[[str], None]) -> Surface:
     """Start the surface for `cfg` ([api] socket), or end in one line through `fail`."""
-    from .api import ApiError
+    from .api import ApiError  # noqa: PLC0415 - only when the surface starts
 
     surface = Surface(cfg.api.socket, agent, live)
     try:
