@@ -280,4 +280,12 @@ def format_stats_lines(stats: AgentStats) -> Sequence[str]:
         f"parser_resyncs={s.parser_count('resyncs')} "
         f"parser_malformed={s.parser_count('malformed')} "
         f"drain_abandoned_bytes={s.drain_abandoned_bytes or 0}",
+        # what could not be traced, by cause (issue 10): the agent's own loss, requests past
+        # the capture limit of one read, entries whose close event was lost
+        (f"capture_lost={s.parser_count('capture_lost')} "
+         f"requests_uncaptured={s.parser_count('requests_uncaptured')} "
+         f"uncaptured_bytes={s.parser_count('uncaptured_bytes')} "
+         f"tls_false_alarms={s.parser_count('tls_false_alarms')} "
+         f"conns_expired={s.count('conns_expired')} conns_replaced={s.count('conns_replaced')} "
+         f"conns_active={s.count('conns_active')}"),
     ]

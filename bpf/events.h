@@ -106,7 +106,9 @@ struct data_event {
     __u8 source;    /* enum sits_source */
     __u8 role;
     __u8 flags;     /* DATA_SAMPLE_SHIFT: this exchange stands for 2^shift (load shedding);
-                     * DATA_GAP: whole exchanges were skipped on the connection before it */
+                     * DATA_GAP: whole exchanges were skipped on the connection before it;
+                     * DATA_LOST: records of the connection were lost (ring full) before it,
+                     * so its bytes resume at an unknown offset */
     __u32 runq_us;  /* the thread's run-queue wait so far (sched.c), low 32 bits of
                      * microseconds: subtract modulo 2^32; 0 without sched.c */
     char payload[SITS_MAX_PAYLOAD];
@@ -114,6 +116,7 @@ struct data_event {
 #define DATA_HDR_SIZE (sizeof(struct data_event) - SITS_MAX_PAYLOAD)
 #define DATA_SAMPLE_SHIFT 0x1f
 #define DATA_GAP 0x80
+#define DATA_LOST 0x40
 
 /* EV_PROC_EXEC / EV_PROC_EXIT: lets the agent find libraries in new processes */
 struct proc_event {
@@ -135,7 +138,8 @@ struct conn_state {
     __u8 skip;     /* the current exchange is not captured (load shedding) */
     __u8 gap;      /* exchanges were skipped since the last record sent */
     __u8 shift;    /* the current exchange was captured as 1 in 2^shift */
-    __u8 _pad[2];
+    __u8 lost;     /* a record of this connection failed to reserve since the last one sent */
+    __u8 _pad[1];
 };
 
 BPF_RINGBUF_OUTPUT(events, SITS_RINGBUF_PAGES);
@@ -232,13 +236,16 @@ static __always_inline __u64 wakeup_flag(__u64 size)
     return BPF_RB_FORCE_WAKEUP;
 }
 
-/* Send one record; count it as seen, or as lost when the ring is full. */
-static __always_inline void submit(void *rec, __u64 size, int kind)
+/* Send one record; count it as seen, or as lost when the ring is full (returns -1). */
+static __always_inline int submit(void *rec, __u64 size, int kind)
 {
     __u64 flags = wakeup_flag(size);
     count_seen(kind);
-    if (events.ringbuf_output(rec, size, flags) < 0)
+    if (events.ringbuf_output(rec, size, flags) < 0) {
         count_lost(kind);
+        return -1;
+    }
+    return 0;
 }
 
 /* Should events of this process be traced at all? */
@@ -287,13 +294,18 @@ static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, _
     return !st->skip;
 }
 
-/* flags for the next record sent on the connection (clears the gap) */
+/* flags for the next record sent on the connection (clears the gap and the loss; a caller
+ * whose record is then lost sets st->lost again, so the flag reaches the agent) */
 static __always_inline __u8 capture_flags(struct conn_state *st)
 {
     __u8 f = st->shift & DATA_SAMPLE_SHIFT;
     if (st->gap) {
         f |= DATA_GAP;
         st->gap = 0;
+    }
+    if (st->lost) {
+        f |= DATA_LOST;
+        st->lost = 0;
     }
     return f;
 }

@@ -331,7 +331,8 @@ static __always_inline int io_exit(long ret)
         bpf_probe_read_user(ev->payload, n, (void *)a.buf);
         captured = n;
     }
-    emit_data(ev, captured);
+    if (emit_data(ev, captured) < 0)
+        st->lost = 1; /* the next record of the connection carries DATA_LOST */
     return 0;
 }
 

@@ -81,16 +81,18 @@ static __always_inline struct thread_io *thread_state(__u64 id, int create)
 /* SSL* -> conn key (tls.c learns it; http.c records it from syscalls inside SSL calls) */
 BPF_HASH(ssl_conns, __u64, __u64, SITS_MAX_CONNS);
 
-static __always_inline void emit_data(struct data_event *ev, __u64 captured)
+/* -1 when the ring was full: the caller marks the connection (st->lost), so its next record
+ * carries DATA_LOST and the agent resyncs instead of reading on at a wrong offset */
+static __always_inline int emit_data(struct data_event *ev, __u64 captured)
 {
     __u64 n = captured;
     if (n > SITS_MAX_PAYLOAD)
         n = SITS_MAX_PAYLOAD;
     asm volatile("" : "+r"(n));
     if (n > SITS_MAX_PAYLOAD)
-        return; /* never: a bound the verifier can see on the register it checks */
+        return 0; /* never: a bound the verifier can see on the register it checks */
     ev->captured = n;
-    submit(ev, DATA_HDR_SIZE + n, EV_DATA);
+    return submit(ev, DATA_HDR_SIZE + n, EV_DATA);
 }
 
 static __always_inline struct data_event *data_event_init(__u64 id, __u64 conn_id, __u8 role)

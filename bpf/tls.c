@@ -140,7 +140,8 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
     if (n > SITS_MAX_PAYLOAD)
         return 0;
     bpf_probe_read_user(ev->payload, n, (void *)a.buf);
-    emit_data(ev, n);
+    if (emit_data(ev, n) < 0 && st)
+        st->lost = 1; /* the next record of the connection carries DATA_LOST */
     return 0;
 }
 

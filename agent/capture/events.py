@@ -20,6 +20,7 @@ from .wire import (
     AF_INET6,
     DATA_GAP,
     DATA_HDR_SIZE,
+    DATA_LOST,
     DATA_SAMPLE_SHIFT,
     TASK_COMM_LEN,
     ConnEventC,
@@ -30,7 +31,8 @@ from .wire import (
 )
 
 __all__ = [  # the wire names decoders and tests reach through this module
-    "AF_INET", "AF_INET6", "DATA_GAP", "DATA_HDR_SIZE", "DATA_SAMPLE_SHIFT", "TASK_COMM_LEN",
+    "AF_INET", "AF_INET6", "DATA_GAP", "DATA_HDR_SIZE", "DATA_LOST", "DATA_SAMPLE_SHIFT",
+    "TASK_COMM_LEN",
     "ConnEvent", "ConnEventC", "DataEvent", "DataEventHdrC", "DecodeError", "Event", "Kind",
     "ProcEvent", "ProcEventC", "Source", "decode", "format_address",
 ]
@@ -74,6 +76,7 @@ class DataEvent:
     runq_us: int = 0  # the thread's run-queue wait so far, mod 2**32 microseconds (sched.c)
     sample_shift: int = 0  # the exchange was captured as one in 2**sample_shift (load shedding)
     gap: bool = False  # whole exchanges were skipped on this connection just before
+    lost: bool = False  # records of this connection were lost before it (ring full): resync
 
 
 @dataclass(slots=True)
@@ -131,6 +134,7 @@ def _decode_data(raw: bytes) -> DataEvent:
         ts_exit_ns=t_exit, length=length, direction=_DIRECTIONS[direction],
         source=_SOURCES[source], role=_ROLES[role], payload=raw[DATA_HDR_SIZE:end],
         runq_us=runq_us, sample_shift=flags & DATA_SAMPLE_SHIFT, gap=bool(flags & DATA_GAP),
+        lost=bool(flags & DATA_LOST),
     )
 
 

@@ -25,6 +25,7 @@ AF_INET = 2
 AF_INET6 = 10
 DATA_SAMPLE_SHIFT = 0x1F  # struct data_event flags: this exchange stands for 2^shift
 DATA_GAP = 0x80  # struct data_event flags: whole exchanges were skipped before it
+DATA_LOST = 0x40  # struct data_event flags: records of the connection were lost before it
 RUNQ_SLOTS = 32  # sched.c: log2 buckets of runq_hist
 
 
@@ -119,7 +120,8 @@ class ConnStateC(ctypes.Structure):
         ("skip", ctypes.c_uint8),
         ("gap", ctypes.c_uint8),
         ("shift", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 2),
+        ("lost", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 1),
     ]
 
 
@@ -419,6 +421,7 @@ KERNEL_ONLY_ENUMS = frozenset({"sk_rst_reason"})
 CONSTANTS: Mapping[str, int] = {
     "DATA_SAMPLE_SHIFT": DATA_SAMPLE_SHIFT,
     "DATA_GAP": DATA_GAP,
+    "DATA_LOST": DATA_LOST,
     "TASK_COMM_LEN": TASK_COMM_LEN,
     "AF_INET": AF_INET,
     "AF_INET6": AF_INET6,

@@ -38,7 +38,7 @@ _MAX_CHUNK_LINE = 4096
 ERR_CLOSED = "connection_closed"
 ERR_INCOMPLETE = "response_incomplete"
 ERR_IDLE = "idle_timeout"
-ERR_GAP = "capture_gap"  # the rest of the exchange fell into exchanges the kernel skipped
+ERR_GAP = "capture_gap"  # the rest of the exchange was not captured (shed, or lost by the agent)
 ERR_BAD_REQUEST = "malformed_request"
 ERR_BAD_RESPONSE = "malformed_response"
 
@@ -57,6 +57,10 @@ _CLOSE = 7  # response body delimited by connection close
 _LOST = 8  # chunked framing lost in uncaptured bytes: count until the message visibly ends
 _RESYNC = 9  # dropping bytes until a plausible start line (h.buf: tail of the last line)
 _IGNORE = 10  # not HTTP any more (after 101 Switching Protocols or CONNECT)
+_TLS = 11  # began with TLS-looking bytes: skipped, unless a chunk begins with a start line
+# headers kept whatever the header count (trace and request identity)
+IDENTITY_HEADERS = frozenset({"x-request-id", "traceparent", "tracestate", "x-correlation-id",
+                              "x-b3-traceid", "b3", "x-amzn-trace-id", "request-id"})
 
 
 @dataclass(slots=True)
@@ -68,7 +72,10 @@ class ParserStats:
     gaps: int = 0  # times the kernel skipped exchanges (load shedding) and the parser restarted
     uncaptured_bytes: int = 0  # bytes that moved but were not captured (Chunk.length - data)
     orphan_responses: int = 0  # responses with no pending request (dropped)
-    tls_streams: int = 0  # connections ignored because they carry TLS records
+    tls_streams: int = 0  # connection halves skipped because they began with TLS records
+    tls_false_alarms: int = 0  # such halves that later began a chunk with an HTTP start line
+    capture_lost: int = 0  # times records of a connection were lost (ring full): resynced
+    requests_uncaptured: int = 0  # requests (estimated) that began past the capture limit
     internal_errors: int = 0  # parser bugs or emit callbacks that raised (never propagated)
 
 
@@ -97,6 +104,7 @@ class _Half:
         "head_exit",
         "kind",
         "line_checked",
+        "msgs",
         "pending",
         "remaining",
         "req",
@@ -122,6 +130,7 @@ class _Half:
         self.pending: _Pending | None = None
         self.feeds = 0  # chunks fed, to count body chunks once per chunk
         self.body_feed = 0
+        self.msgs = 0  # requests that began in the current chunk (estimates those past the capture)
 
     def clear_message(self) -> None:
         self.state = _HEAD
@@ -175,7 +184,7 @@ class HttpConnParser:
         self._halves = (self._in, self._out)
         self._order: deque[_Pending] = deque()  # emission order
         self._awaiting: deque[_Pending] = deque()  # requests with no response head yet
-        self._last_ns = conn.opened_ns
+        self._last_ns: int = conn.opened_ns
         self._off = False  # closed, or TLS ciphertext
 
     # ---- public ----
@@ -193,6 +202,7 @@ class HttpConnParser:
             end = len(data)
             pos = 0
             h.feeds += 1
+            h.msgs = 0
             while pos < end:
                 st = h.state
                 if st == _HEAD:
@@ -249,13 +259,33 @@ class HttpConnParser:
         self.stats.gaps += 1
         self._finish(ERR_GAP)
 
+    def lost(self) -> None:
+        """Records of this connection were lost (the agent's ring was full) before the next
+        chunk, which may begin anywhere in a message. What is pending ended unseen
+        (capture_gap, never the client's fault) and both halves resync at the next start
+        line; a chunk boundary may begin one."""
+        if self._off:
+            return
+        self.stats.capture_lost += 1
+        self._finish(ERR_GAP)
+        for h in self._halves:
+            if h.state not in (_IGNORE, _TLS):
+                h.state = _RESYNC
+                h.buf = b""
+                h.sol = True
+
+    @property
+    def last_ns(self) -> int:
+        """Time of the last chunk (or the connection's opening)."""
+        return self._last_ns
+
     def flush_idle(self, now_ns: int, idle_ns: int) -> None:
         """After `idle_ns` without bytes, complete a close-delimited response and give up
         on whatever else is pending (requests without response: error "idle_timeout")."""
         if now_ns - self._last_ns < idle_ns or self._off:
             return
         if not self._order and not any(
-            h.buf or h.state not in (_HEAD, _IGNORE) for h in self._halves
+            h.buf or h.state not in (_HEAD, _IGNORE, _TLS) for h in self._halves
         ):
             return
         self._finish(ERR_IDLE)
@@ -277,6 +307,8 @@ class HttpConnParser:
             return self._lost(h, data, pos, chunk)
         if st == _RESYNC:
             return self._resync(h, data, pos, chunk)
+        if st == _TLS:
+            return self._tls(h, data, pos)
         return len(data)  # _IGNORE
 
     def _is_tls(self, h: _Half, data: bytes) -> bool:
@@ -285,10 +317,22 @@ class HttpConnParser:
             return False  # one byte that could open a record: decide on the next chunk
         h.fresh = False
         if probe[0] in _TLS_RECORD_TYPES and probe[1] == 0x03:
-            self.stats.tls_streams += 1
-            self._off = True
+            # TLS-looking: skip this half's bytes, but a plaintext client that merely began
+            # with 16 03 is parsed again from its next chunk that begins with a start line
+            if all(x.state != _TLS for x in self._halves):
+                self.stats.tls_streams += 1  # once a connection
+            h.buf = b""
+            h.state = _TLS
             return True
         return False
+
+    def _tls(self, h: _Half, data: bytes, pos: int) -> int:
+        if pos == 0 and _could_start(data[:8]) and \
+                _find_start(data[: self._max_header_bytes + 4], h.kind, True, 0) == 0:
+            self.stats.tls_false_alarms += 1
+            h.state = _HEAD
+            return 0
+        return len(data)
 
     # ---- heads ----
 
@@ -362,6 +406,7 @@ class HttpConnParser:
         if h.kind == _ANY:
             self._decide(h, _REQ)
         fields, d = _fields(lines, self._max_headers)
+        h.msgs += 1
         req = RequestHead(method, target, version[5:], fields, t_exit, chunk.ts_exit_ns)
         p = _Pending(req)
         self._order.append(p)
@@ -625,15 +670,27 @@ class HttpConnParser:
             h.buf = b""
             h.sol = False
         elif st == _HEAD:
+            self._count_uncaptured_requests(h, len(chunk.data), extra)
             if h.buf:
                 self._cut_head(h, chunk)
             else:
                 self._lose_sync(h, extra)
         elif st == _TRAILER and extra <= 2 and not h.buf:
             self._complete(h, chunk)
-        elif st != _IGNORE:  # chunk-size line, CRLF or trailer not captured
+        elif st != _IGNORE and st != _TLS:  # chunk-size line, CRLF or trailer not captured
             h.buf = b""
             h.state = _LOST
+
+    def _count_uncaptured_requests(self, h: _Half, captured: int, extra: int) -> None:
+        """Requests that began in bytes past the capture limit of one read (a pipelined burst)
+        are not traced: count them, estimated from the requests that fit in the captured part
+        (at least one when a request began there, none for the rest of a cut head)."""
+        if h.kind == _RESP:
+            return
+        if h.msgs:
+            self.stats.requests_uncaptured += max(1, round(extra * h.msgs / max(captured, 1)))
+        elif not h.buf:
+            self.stats.requests_uncaptured += 1
 
     def _after_chunk_data(self, h: _Half, extra: int, chunk: Chunk) -> None:
         if extra == 0:
@@ -760,14 +817,14 @@ class HttpConnParser:
             h.buf = b""
         st = h.state
         h.clear_message()
-        if st == _IGNORE:
-            h.state = _IGNORE
+        if st == _IGNORE or st == _TLS:
+            h.state = st
 
     def _recover(self) -> None:
         try:
             for h in self._halves:
                 self._abandon(h)
-                if h.state != _IGNORE:
+                if h.state not in (_IGNORE, _TLS):
                     h.state = _RESYNC
             self._emit_ready()
         except Exception:  # noqa: BLE001 - never raise into the pipeline
@@ -808,7 +865,9 @@ def _fields(lines: list[str], max_headers: int) -> tuple[list[tuple[str, str]], 
     if len(d) != n:
         _check_duplicate_length(fields, d)
     if n > max_headers:
+        keep = [f for f in islice(fields, max_headers, None) if f[0] in IDENTITY_HEADERS]
         del fields[max_headers:]
+        fields.extend(keep)
     return fields, d
 
 

@@ -50,6 +50,8 @@ class TracerStats:
     conns_closed: int = 0
     conns_active: int = 0
     orphan_data: int = 0  # data for a connection never seen opening (kept, conn made up)
+    conns_replaced: int = 0  # a new connection on the fd of one whose close was lost
+    conns_expired: int = 0  # idle connections whose fd is gone (their close was lost)
     capture_shift: int = 0  # load shedding: the kernel captures one exchange in 2**shift
     exchanges_shed: int = 0  # exchanges the kernel skipped (counted, not traced)
     parser: ParserStats = field(default_factory=ParserStats)
@@ -59,6 +61,7 @@ class TracerStats:
 class _Conn:
     info: ConnInfo
     parser: HttpConnParser
+    checked_ns: int = 0  # when /proc last showed its fd open (idle expiry)
 
 
 class Tracer:
@@ -74,6 +77,7 @@ class Tracer:
         on_process_exit: Callable[[int, list[int]], None] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         idle_ns: int = 30_000_000_000,
+        expire_ns: int = 30_000_000_000,
         annotators: Iterable[Annotator] = (),
         handlers: dict[int, RecordHandler] | None = None,
         shedding: Callable[[], tuple[int, int]] | None = None,
@@ -94,6 +98,8 @@ class Tracer:
         self._on_exit = on_process_exit
         self._now = monotonic_ns
         self._idle_ns = idle_ns
+        self._expire_ns = expire_ns  # a connection idle this long is checked in /proc
+        self._by_fd: dict[tuple[int, int], int] = {}  # (pid, fd) -> conn_id
         self._next_sweep = 0
         self._prefill_id = PREFILL_ID_BASE
         self.annotators: list[Annotator] = list(annotators)
@@ -139,9 +145,33 @@ class Tracer:
                 self._on_proc(ev)
 
     def sweep(self, now_ns: int) -> None:
-        """Let parsers give up on exchanges stuck longer than idle_ns."""
+        """Let parsers give up on exchanges stuck longer than idle_ns; forget connections
+        idle longer than expire_ns whose fd no longer holds a socket (a lost close)."""
         for c in list(self._conns.values()) + list(self._tls_streams.values()):
             c.parser.flush_idle(now_ns, self._idle_ns)
+        self._expire(now_ns)
+
+    def _expire(self, now_ns: int, budget: int = 2000) -> None:
+        """At most `budget` /proc checks a sweep, so a huge table costs a bounded slice."""
+        for cid, c in list(self._conns.items()):
+            if budget <= 0:
+                return
+            if now_ns - max(c.parser.last_ns, c.checked_ns) < self._expire_ns or c.info.fd < 0:
+                continue
+            budget -= 1
+            if self.procfs.socket_inode(c.info.pid, c.info.fd) is not None:
+                c.checked_ns = now_ns  # an idle keep-alive connection: looked at again later
+                continue
+            self.stats.conns_expired += 1
+            self._forget(cid, c)
+            c.parser.close(now_ns)
+        self.stats.conns_active = len(self._conns)
+
+    def _forget(self, cid: int, c: _Conn) -> None:
+        self._conns.pop(cid, None)
+        self._by_pid.get(c.info.pid, set()).discard(cid)
+        if self._by_fd.get((c.info.pid, c.info.fd)) == cid:
+            del self._by_fd[(c.info.pid, c.info.fd)]
 
     def close_all(self) -> None:
         """Graceful stop: every pending exchange is emitted."""
@@ -152,6 +182,7 @@ class Tracer:
         self._conns.clear()
         self._tls_streams.clear()
         self._by_pid.clear()
+        self._by_fd.clear()
         self.stats.conns_active = 0
 
     # ---- connections ----
@@ -194,12 +225,12 @@ class Tracer:
                 self._from_proc(info)
             self._add(info)
             return
-        c = self._conns.pop(ev.conn_id, None)
+        c = self._conns.get(ev.conn_id)
         if c is None:
             return
+        self._forget(ev.conn_id, c)
         self.stats.conns_closed += 1
         self.stats.conns_active = len(self._conns)
-        self._by_pid.get(ev.pid, set()).discard(ev.conn_id)
         if ev.tls or c.info.tls:
             c.info.tls = True
             self._drop_tls_streams(ev.pid, c.info)
@@ -221,8 +252,18 @@ class Tracer:
         old = self._conns.pop(info.conn_id, None)
         if old is not None:
             old.parser.close(info.opened_ns)
+        key = (info.pid, info.fd)
+        prev = self._by_fd.get(key)
+        if prev is not None and prev != info.conn_id and info.fd >= 0:
+            stale = self._conns.get(prev)  # the fd was closed and reused: that close was lost
+            if stale is not None:
+                self.stats.conns_replaced += 1
+                self._forget(prev, stale)
+                stale.parser.close(info.opened_ns)
         self._conns[info.conn_id] = c
         self._by_pid.setdefault(info.pid, set()).add(info.conn_id)
+        if info.fd >= 0:
+            self._by_fd[key] = info.conn_id
         self.stats.conns_opened += 1
         self.stats.conns_active = len(self._conns)
         return c
@@ -242,6 +283,7 @@ class Tracer:
         for cid in ids:
             c = self._conns.pop(cid, None)
             if c is not None:
+                self._by_fd.pop((c.info.pid, c.info.fd), None)
                 fds.append(c.info.fd)
                 c.parser.close(ev.ts_ns)
         for key in [k for k in self._tls_streams if k[0] == ev.pid]:
@@ -284,7 +326,9 @@ class Tracer:
                 c.parser = HttpConnParser(c.info, self._emit, stats=self.stats.parser)
         elif c.info.tls:
             return  # ciphertext of a TLS connection: its plaintext comes from the uprobes
-        if ev.gap:
+        if ev.lost:
+            c.parser.lost()  # records lost in the ring: resync, the pending exchange is a gap
+        elif ev.gap:
             c.parser.gap()
         c.info.sample_shift = ev.sample_shift
         c.parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length))

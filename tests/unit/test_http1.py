@@ -410,10 +410,19 @@ def test_early_response_waits_for_the_request_body() -> None:
 def test_tls_ciphertext_is_ignored_and_counted_once() -> None:
     hello = bytes.fromhex("160301020001000200fc03031a2b3c4d") + b"\x00" * 40
     run = new().feed(req(hello), resp(bytes.fromhex("160303007a020000760303") + b"\x01" * 30),
-                     req(b"\x17\x03\x03\x00\x20" + b"\x02" * 32), req(GET))
+                     req(b"\x17\x03\x03\x00\x20" + b"\x02" * 32 + GET))
     run.parser.close(1)
     assert run.out == []
     assert (run.stats.tls_streams, run.stats.malformed, run.stats.resyncs) == (1, 0, 0)
+
+
+def test_plaintext_that_began_like_tls_is_parsed_again() -> None:
+    # a client whose first bytes were 16 03 (junk, a probe) and then speaks HTTP on the same
+    # connection: its next chunk that begins with a start line is traced (issue 10)
+    run = new().feed(req(b"\x16\x03\x01junk\r\n\r\n"), resp(b"HTTP/1.1 400 Bad\r\nContent-Length: 0\r\n\r\n"),
+                     req(GET), resp(OK))
+    assert [summary(e) for e in run.out] == [("GET", "/a", 0, 200, 2, None)]
+    assert (run.stats.tls_streams, run.stats.tls_false_alarms) == (1, 1)
 
 
 def test_response_without_request_is_dropped_and_counted() -> None:
