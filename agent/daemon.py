@@ -231,6 +231,13 @@ class Agent:
             out.kernel_lost = {names.get(k, str(k)): v for k, v in lost.items()}
             out.probes = [asdict(s) for s in self.kernel.report.statuses if not s.ok]
             out.uprobe_libraries = sorted(self.kernel.attached_libraries())
+            if out.tracer is not None:
+                # requests whose capture stopped after too many tiny reads (slowloris,
+                # bpf/events.h), beside the tracer's counters
+                try:
+                    out.tracer["dribbles"] = sum(self.kernel.counters("dribbles").values())
+                except KeyError:  # a kernel object without bpf/http.c
+                    out.tracer["dribbles"] = 0
         if self.node is not None:
             out.node_signals = nodesignals.stats(self.node, self.kernel)
         if self.features is not None:
@@ -287,5 +294,5 @@ def format_stats_lines(stats: AgentStats) -> Sequence[str]:
          f"uncaptured_bytes={s.parser_count('uncaptured_bytes')} "
          f"tls_false_alarms={s.parser_count('tls_false_alarms')} "
          f"conns_expired={s.count('conns_expired')} conns_replaced={s.count('conns_replaced')} "
-         f"conns_active={s.count('conns_active')}"),
+         f"conns_active={s.count('conns_active')} dribbles={s.count('dribbles')}"),
     ]

@@ -139,7 +139,7 @@ struct conn_state {
     __u8 gap;      /* exchanges were skipped since the last record sent */
     __u8 shift;    /* the current exchange was captured as 1 in 2^shift */
     __u8 lost;     /* a record of this connection failed to reserve since the last one sent */
-    __u8 _pad[1];
+    __u8 dribble;  /* small request reads in the current exchange (slowloris bound) */
 };
 
 BPF_RINGBUF_OUTPUT(events, SITS_RINGBUF_PAGES);
@@ -163,6 +163,17 @@ BPF_ARRAY(capture_shift, __u32, 1);
 BPF_PERCPU_ARRAY(exchange_seq, __u64, 1);
 /* exchanges not captured, per process and role: key tgid << 8 | role */
 BPF_PERCPU_HASH(shed, __u64, __u64, 4096);
+/* A request that arrives in more than SITS_MAX_DRIBBLE reads of fewer than SITS_DRIBBLE_BYTES
+ * (a slowloris: 1 byte / 100 ms) stops being captured there, so an exchange captured before
+ * shedding began cannot keep costing the agent a record per byte; the rest of the exchange is
+ * skipped like a shed one (the next record carries DATA_GAP) and counted here. */
+#ifndef SITS_MAX_DRIBBLE
+#define SITS_MAX_DRIBBLE 64
+#endif
+#ifndef SITS_DRIBBLE_BYTES
+#define SITS_DRIBBLE_BYTES 128
+#endif
+BPF_PERCPU_ARRAY(dribbles, __u64, 1);
 
 #ifndef SITS_SCHED
 #define SITS_SCHED 0 /* 1: sched.c is loaded */
@@ -262,7 +273,8 @@ static __always_inline int traced_tgid(__u32 tgid)
 
 /* At the first byte of each exchange (a request read by a server, written by a client),
  * decide whether the exchange is captured. Returns 0 when its bytes are not to be sent. */
-static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, __u8 direction)
+static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, __u8 direction,
+                                            __u64 len)
 {
     __u8 cur = direction + 1;
     __u8 req = st->role == ROLE_CLIENT ? 2 : 1;
@@ -280,6 +292,7 @@ static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, _
         }
         st->skip = skip;
         st->shift = s;
+        st->dribble = 0;
         if (skip) {
             st->gap = 1;
             __u64 key = ((__u64)tgid << 8) | st->role, one = 1;
@@ -291,6 +304,14 @@ static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, _
         }
     }
     st->last_dir = cur;
+    if (cur == req && len < SITS_DRIBBLE_BYTES && !st->skip && ++st->dribble > SITS_MAX_DRIBBLE) {
+        int zero = 0;
+        __u64 *d = dribbles.lookup(&zero);
+        if (d)
+            (*d)++;
+        st->skip = 1;
+        st->gap = 1;
+    }
     return !st->skip;
 }
 

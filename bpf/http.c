@@ -306,7 +306,7 @@ static __always_inline int io_exit(long ret)
     }
     if (st->tls)
         return 0; /* a memory-BIO TLS connection: tls.c emits the plaintext */
-    if (!capture_exchange(id >> 32, st, a.direction))
+    if (!capture_exchange(id >> 32, st, a.direction, ret))
         return 0;
     struct data_event *ev = data_event_init(id, st->conn_id, st->role);
     if (!ev)

@@ -122,7 +122,7 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
         return 0;
     __u64 key = 0;
     struct conn_state *st = ssl_conn(t, a.ssl, &key);
-    if (st && !capture_exchange(id >> 32, st, a.direction))
+    if (st && !capture_exchange(id >> 32, st, a.direction, len))
         return 0;
     struct data_event *ev = data_event_init(id, st ? st->conn_id : 0, st ? st->role : ROLE_UNKNOWN);
     if (!ev)

@@ -121,7 +121,7 @@ class ConnStateC(ctypes.Structure):
         ("gap", ctypes.c_uint8),
         ("shift", ctypes.c_uint8),
         ("lost", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 1),
+        ("dribble", ctypes.c_uint8),
     ]
 
 

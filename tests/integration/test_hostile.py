@@ -1,0 +1,99 @@
+"""Hostile traffic against nginx, `sits-trace trace` at default settings (issue 10).
+
+Each case runs one attack from bench/hostile.py against a real nginx with a fresh agent,
+then sends valid requests one every 100 ms from the attack's end on. Checked for every case:
+- tracing recovers within 2 s of the attack's end (every later probe traced within 2 s);
+- every probe not traced is counted (exchanges_shed or capture_lost);
+- no span blames a client (malformed_request) for the agent's own loss.
+Plus the case's own accounting (churn: spans + shed == requests nginx logged; pipelined:
+spans + requests_uncaptured == requests sent; upload: the request after a 100 MB body on the
+same connection is traced). SITS_HOSTILE_SCALE shortens the attacks (default 0.3, the bounded
+form CI runs; 1.0 is the full form issue 10 describes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.hostile import Nginx, Result, run_scenario
+
+pytestmark = [pytest.mark.bpf, pytest.mark.hostile]
+
+SCALE = float(os.environ.get("SITS_HOSTILE_SCALE", "0.3"))
+
+
+@pytest.fixture()
+def nginx(tmp_path: Path) -> Iterator[Nginx]:
+    n = Nginx(tmp_path)
+    yield n
+    n.stop()
+
+
+def check_common(r: Result, client_fault_ok: bool = False) -> None:
+    print(r.line())
+    p = r.probe
+    assert p.recovered_s <= 2.0, r.line()
+    untraced = p.sent - p.traced
+    assert untraced <= r.stats["exchanges_shed"] + r.stats["capture_lost"], r.line()
+    if not client_fault_ok:
+        assert r.blamed == 0, r.line()
+
+
+def test_slowloris(nginx: Nginx) -> None:
+    r = run_scenario("slowloris", nginx, SCALE)
+    check_common(r)
+    if SCALE >= 0.7:  # more than 64 one-byte reads per connection: capture stopped, counted
+        assert r.stats["dribbles"] > 0, r.line()
+
+
+def test_churn_with_time_wait(nginx: Nginx) -> None:
+    r = run_scenario("churn", nginx, SCALE)
+    check_common(r)
+    logged = nginx.logged("churn-") + nginx.logged("probe-")
+    traced = len(r.traced("churn-")) + len(r.traced("probe-"))
+    if r.stats["lost_in_kernel"] == 0:
+        assert traced + r.stats["exchanges_shed"] == logged, r.line()
+    else:
+        assert traced + r.stats["exchanges_shed"] + r.stats["capture_lost"] >= logged, r.line()
+
+
+def test_huge_upload_then_request_on_the_same_connection(nginx: Nginx) -> None:
+    r = run_scenario("upload", nginx, SCALE)
+    check_common(r)
+    assert len(r.traced("upload-after")) == 1, r.line()
+    if r.stats["lost_in_kernel"]:
+        assert r.stats["capture_lost"] >= 1, r.line()
+    big = r.traced("upload-big")
+    assert all(s["attributes"].get("error.type") in (None, "capture_gap") for s in big), big
+
+
+def test_pipelined_burst_in_one_write(nginx: Nginx) -> None:
+    r = run_scenario("pipelined", nginx, SCALE)
+    check_common(r)
+    sent = nginx.logged("pipe-")
+    traced = len(r.traced("pipe-"))
+    assert sent >= 400 and traced < sent  # past 4 KB of one read: not captured
+    assert abs(traced + r.stats["requests_uncaptured"] - sent) <= 0.02 * sent, r.line()
+
+
+def test_junk_prefixes(nginx: Nginx) -> None:
+    # junk is the client's own doing: malformed_request may be said of it, never of probes
+    r = run_scenario("junk", nginx, SCALE)
+    check_common(r, client_fault_ok=True)
+    assert not [s for s in r.traced("probe-") if "error.type" in s["attributes"]]
+
+
+def test_thousand_headers(nginx: Nginx) -> None:
+    r = run_scenario("headers", nginx, SCALE)
+    check_common(r)
+    # x-request-id is the 101st header: kept although only 64 headers are
+    assert len(r.traced("hdrs-")) == nginx.logged("hdrs-") > 0, r.line()
+
+
+def test_resets(nginx: Nginx) -> None:
+    r = run_scenario("resets", nginx, SCALE)
+    check_common(r)
