@@ -5,6 +5,7 @@ Errors a user can cause end in one line on stderr and a non-zero exit.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -175,7 +176,7 @@ def run(
     try:
         exporters = build_exporters(cfg)
     except (ConfigError, OSError) as exc:
-        _fail(str(exc))
+        _fail(_exporter_error(cfg, exc))
     from .surface import operator_surface  # noqa: PLC0415 - the API only for `run`
 
     view = _live_view(cfg)  # what `sits-trace top` reads over the API socket
@@ -201,6 +202,20 @@ def run(
         _shutdown(live[0])
     for line in format_stats_lines(agent.stats()):
         typer.echo(f"sits-trace: {line}", err=True)
+
+
+def _exporter_error(cfg: Any, exc: Exception) -> str:
+    """One line naming the key behind an exporter that could not start."""
+    e = cfg.export
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return (f"export.prometheus_port: {e.prometheus_address}:{e.prometheus_port} is in use; "
+                "choose a free port, or 0 to turn /metrics off")
+    if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) == e.jsonl_path:
+        return f"export.jsonl_path: {e.jsonl_path!r}: {exc.strerror}; choose a writable file"
+    if isinstance(exc, OSError):
+        return (f"exporters: {exc.strerror or exc}; check export.jsonl_path, "
+                "export.prometheus_address and export.prometheus_port")
+    return str(exc)
 
 
 def _shutdown(exporters: Any) -> None:

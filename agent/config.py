@@ -7,7 +7,9 @@ its environment form is SITS_SECTION_NAME (e.g. SITS_EXPORT_JSONL_PATH).
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -117,9 +119,11 @@ class Config:
             raise ConfigError(f"export.otlp_protocol: {e.otlp_protocol!r} is not one of "
                               "'grpc', 'http/protobuf'")
         _range("export.prometheus_port", e.prometheus_port, 0, 65535)
-        if e.otlp_endpoint and "://" not in e.otlp_endpoint:
-            raise ConfigError(f"export.otlp_endpoint: {e.otlp_endpoint!r} needs a scheme, "
-                              "e.g. http://localhost:4317")
+        if e.otlp_endpoint:
+            _endpoint("export.otlp_endpoint", e.otlp_endpoint)
+        _jsonl_path("export.jsonl_path", e.jsonl_path)
+        if e.prometheus_port:
+            _resolvable("export.prometheus_address", e.prometheus_address)
         _range("signals.features_keep_s", self.signals.features_keep_s, 10, 86400)
         _range("api.window_s", self.api.window_s, 1, 3600)
         _range("api.slowest", self.api.slowest, 0, 100)
@@ -127,6 +131,41 @@ class Config:
 
 
 SECTIONS = ("trace", "export", "signals", "api")
+
+
+def _endpoint(key: str, url: str) -> None:
+    """http(s)://host[:port][/path], with a bracketed IPv6 host; the fix named when not."""
+    example = "e.g. http://localhost:4317 or http://[::1]:4317"
+    if "://" not in url:
+        raise ConfigError(f"{key}: {url!r} needs a scheme, {example}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port  # raises on a bad port
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {url!r} is not a valid URL ({exc}), {example}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{key}: {url!r} must be http:// or https:// with a host, {example}")
+
+
+def _jsonl_path(key: str, path: str) -> None:
+    """"-" (stdout), "" (off) or a file whose directory exists."""
+    if path in ("", "-"):
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{key}: {path!r} is a directory; give a file path, e.g. "
+                          f"{p / 'spans.jsonl'}")
+    if not p.parent.is_dir():
+        raise ConfigError(f"{key}: directory {str(p.parent)!r} does not exist; create it or "
+                          "choose another path ('-' is stdout, '' turns it off)")
+
+
+def _resolvable(key: str, host: str) -> None:
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        raise ConfigError(f"{key}: {host!r} does not resolve; use an address of this node, "
+                          "e.g. 127.0.0.1 or 0.0.0.0") from None
 
 
 def _range(key: str, v: float, lo: float, hi: float) -> None:
@@ -153,6 +192,8 @@ def _coerce(key: str, current: Any, raw: Any) -> Any:
                 return False
             raise ValueError(raw)
         if isinstance(current, list):
+            if not isinstance(raw, (list, str)):
+                raise TypeError(raw)
             items = raw if isinstance(raw, list) else [x for x in str(raw).split(",") if x.strip()]
             kind = int if key.endswith("pids") else str
             return [kind(x) for x in items]
@@ -188,9 +229,12 @@ def load(path: str | Path | None = None, env: Mapping[str, str] | None = None,
     cfg = Config()
     if path:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
             raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path}: not UTF-8 (byte {exc.start}); save it as "
+                              "UTF-8") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
         for section, values in data.items():
