@@ -141,13 +141,30 @@ EXTRA_CHECKS.append(_cuda_checks)  # libcuda symbols the CUDA probes need (never
 EXTRA_CHECKS.append(_node_checks)  # tcp: and sched: tracepoints of the node signals (optional)
 
 
+def _guarded(name: str, check: Callable[[], Check | list[Check]]) -> list[Check]:
+    """Run one check; one it cannot make (a non-root user may not read tracefs or other
+    processes' maps) becomes a row that says so, never a traceback."""
+    try:
+        got = check()
+    except OSError as exc:
+        return [Check(name, False, f"could not check as uid {os.geteuid()}: "
+                      f"{exc.strerror or exc}", "run `sits-trace doctor` as root to check this")]
+    return got if isinstance(got, list) else [got]
+
+
 def run_checks() -> list[Check]:
-    checks = [_privileges(), _bcc(), _bpf_syscall(), _btf(), _tracefs(), _headers()]
-    checks += tracepoint_checks(HTTP_TRACEPOINTS, tracefs_root())
-    checks += _libssl()
-    for extra in EXTRA_CHECKS:
-        checks += extra()
-    checks += [_nvml(), _agent_stats()]
+    steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
+        ("privileges", _privileges), ("bcc", _bcc), ("bpf", _bpf_syscall), ("btf", _btf),
+        ("tracefs", _tracefs), ("kernel headers", _headers),
+        ("tracepoints", lambda: tracepoint_checks(HTTP_TRACEPOINTS, tracefs_root())),
+        ("libssl", _libssl),
+    ]
+    steps += [(getattr(extra, "__name__", "extra").strip("_").replace("_checks", ""), extra)
+              for extra in EXTRA_CHECKS]
+    steps += [("nvml", _nvml), ("agent stats", _agent_stats)]
+    checks: list[Check] = []
+    for name, check in steps:
+        checks += _guarded(name, check)
     return checks
 
 

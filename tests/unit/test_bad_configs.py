@@ -45,8 +45,8 @@ CASES: list[tuple[str, bytes, tuple[str, ...]]] = [
     ("jsonl-no-dir", b'[export]\njsonl_path = "/nonexistent/dir/x.jsonl"\n',
      ("export.jsonl_path", "does not exist")),
     ("jsonl-is-dir", b'[export]\njsonl_path = "/tmp"\n', ("export.jsonl_path", "directory")),
-    ("prometheus-unresolvable", b'[export]\nprometheus_port = 9\n'
-     b'prometheus_address = "no.such.host.invalid"\n', ("export.prometheus_address", "127.0.0.1")),
+    ("prometheus-unresolvable", (b'[export]\nprometheus_port = 9\n'
+     b'prometheus_address = "no.such.host.invalid"\n'), ("export.prometheus_address", "127.0.0.1")),
     ("prometheus-bad-port", b"[export]\nprometheus_port = -1\n", ("export.prometheus_port",)),
 ]
 
