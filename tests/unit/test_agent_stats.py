@@ -29,6 +29,9 @@ def test_typed_reads() -> None:
 
 
 def test_summary_line() -> None:
-    (line,) = format_stats_lines(AgentStats.from_json(FILE))
+    line, untraced = format_stats_lines(AgentStats.from_json(FILE))
     assert line == ("records=12 spans=3 decode_errors=0 lost_in_kernel=3 exchanges_shed=5 "
                     "capture_shift=2 parser_resyncs=1 parser_malformed=4 drain_abandoned_bytes=0")
+    # the second line: what could not be traced, by cause (issue 10)
+    assert untraced.startswith("capture_lost=0 requests_uncaptured=0 ")
+    assert "conns_active=0 dribbles=0" in untraced
