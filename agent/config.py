@@ -50,6 +50,9 @@ class TraceConfig:
     # the rest) until it fits: see agent/capture/shedding.py. 0: capture everything, whatever it costs
     cpu_budget: float = field(default_factory=default_cpu_budget)  # 5% of CPUs, 0.1..1
     ssl_libraries: list[str] = field(default_factory=list)  # extra libssl paths to probe
+    # seconds between looks at the libraries of processes with traced connections (a libssl
+    # dlopen()ed late gets its TLS probes within this long)
+    library_rescan_s: float = 10.0
     # query-string keys whose values every output shows as REDACTED ([] turns it off)
     redact_query_keys: list[str] = field(default_factory=lambda: list(DEFAULT_QUERY_KEYS))
 
@@ -110,6 +113,7 @@ class Config:
         _power_of_two("trace.ringbuf_mib", t.ringbuf_mib, 1, 1024)
         _range("trace.port", t.port, 0, 65535)
         _range("trace.poll_ms", t.poll_ms, 1, 1000)
+        _range("trace.library_rescan_s", t.library_rescan_s, 0.5, 3600)
         _range("trace.idle_timeout_s", t.idle_timeout_s, 0.1, 86400)
         _range("trace.cpu_budget", t.cpu_budget, 0, 1024)
         for p in t.pids:

@@ -105,7 +105,8 @@ class Agent:
         offset = realtime_offset_ns()
         builder = SpanBuilder(clock_offset_ns=offset,
                               redactor=QueryRedactor(t.redact_query_keys))
-        self._rescans = Rescans(self._check_libraries)
+        self._rescans = Rescans(self._check_libraries, traced=lambda: self._traced_pids(),
+                                sweep_s=t.library_rescan_s)
         self.tracer = Tracer(
             source, self.sink, builder, procfs=self.procfs, port=t.port or None,
             on_process_exec=self._on_exec, on_process_exit=self._on_process_exit,
@@ -152,6 +153,9 @@ class Agent:
             # a traced process's child ran exec: its threads count from now (without --pid,
             # http.c starts tracking a process at its first traced read or write)
             self.node.track_processes([pid])
+
+    def _traced_pids(self) -> list[int]:
+        return self.tracer.traced_pids() if self.tracer is not None else []
 
     def _check_libraries(self, pid: int) -> None:
         if self.kernel is None:

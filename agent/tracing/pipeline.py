@@ -173,6 +173,10 @@ class Tracer:
         if self._by_fd.get((c.info.pid, c.info.fd)) == cid:
             del self._by_fd[(c.info.pid, c.info.fd)]
 
+    def traced_pids(self) -> list[int]:
+        """Processes that made or took a traced connection and have not exited."""
+        return list(self._by_pid)
+
     def close_all(self) -> None:
         """Graceful stop: every pending exchange is emitted."""
         self._read_shedding()
@@ -376,15 +380,22 @@ class Tracer:
 
 class Rescans:
     """Processes to look at again for new libraries, at growing delays after exec
-    (interpreters load libssl late, when the program first imports ssl)."""
+    (interpreters load libssl late, when the program first imports ssl), and every
+    `sweep_s` each process with traced connections (a private libssl dlopen()ed any time
+    later, by a process the agent found already running)."""
 
     DELAYS_S = (0.2, 1.0, 5.0, 20.0)
+    SWEEP_S = 10.0
 
     def __init__(self, check: Callable[[int], None],
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 traced: Callable[[], Iterable[int]] = tuple, sweep_s: float = SWEEP_S) -> None:
         self._heap: list[tuple[float, int, int]] = []
         self._check = check
         self._now = monotonic
+        self._traced = traced
+        self._sweep_s = sweep_s
+        self._next_sweep = monotonic() + sweep_s
 
     def schedule(self, pid: int) -> None:
         t = self._now()
@@ -396,3 +407,7 @@ class Rescans:
         while self._heap and self._heap[0][0] <= now:
             _, pid, _ = heapq.heappop(self._heap)
             self._check(pid)
+        if now >= self._next_sweep:
+            self._next_sweep = now + self._sweep_s
+            for pid in self._traced():
+                self._check(pid)
