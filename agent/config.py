@@ -101,11 +101,42 @@ class ApiConfig:
 
 
 @dataclass(slots=True)
+class ControlConfig:
+    """The closed loop (docs/control.md): batch window, CPU and GPU priorities."""
+
+    enabled: bool = True
+    mode: str = "advise"  # observe | advise (publish decisions, touch nothing) | act
+    socket_path: str = "/run/sits-trace/control.sock"  # "" disables the API
+    socket_group: str = ""  # group that may use the API (mode 0660); "" is root's
+    service: str = ""  # whose batch window is controlled; "" is the busiest service
+    slo_ms: float = 1000.0  # the latency target the window controller holds P95 under
+    controller: str = "verdict"  # verdict (ours) | rule (published) | aimd | static
+    window_ms: float = 20.0  # the starting window
+    window_min_ms: float = 10.0
+    window_max_ms: float = 500.0
+    interval_s: float = 1.0
+    verdicts_path: str = ""  # the RCA's verdicts as JSON lines; "" is none from a file
+    min_score: float = 0.5  # a verdict's top cause below this score is not acted on
+    cpu_fraction: float = 0.25  # a throttled culprit's CPU cap, in CPUs (at least 0.05)
+    cpu_weight: int = 10  # its cgroup weight (100 is the default share)
+    max_actions: int = 4  # throttles at once
+    clear_after_s: float = 10.0  # the cause is gone this long: the action is undone
+    stream_priority: int = -1  # asked of the served process's compute stream (lower: higher)
+    copy_budget_bytes_per_s: float = 0.0  # asked of a cooperating copier; 0: none
+    state_path: str = "/run/sits-trace/control-actions.json"  # undo after a crash
+
+
+CONTROL_MODES = ("observe", "advise", "act")
+CONTROLLERS = ("verdict", "rule", "aimd", "static")
+
+
+@dataclass(slots=True)
 class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     def validate(self) -> Config:
         t = self.trace
@@ -131,10 +162,11 @@ class Config:
         _range("signals.features_keep_s", self.signals.features_keep_s, 10, 86400)
         _range("api.window_s", self.api.window_s, 1, 3600)
         _range("api.slowest", self.api.slowest, 0, 100)
+        _validate_control(self.control)
         return self
 
 
-SECTIONS = ("trace", "export", "signals", "api")
+SECTIONS = ("trace", "export", "signals", "api", "control")
 
 
 def _endpoint(key: str, url: str) -> None:
@@ -170,6 +202,27 @@ def _resolvable(key: str, host: str) -> None:
     except (OSError, UnicodeError):
         raise ConfigError(f"{key}: {host!r} does not resolve; use an address of this node, "
                           "e.g. 127.0.0.1 or 0.0.0.0") from None
+
+
+def _validate_control(c: ControlConfig) -> None:
+    if c.mode not in CONTROL_MODES:
+        raise ConfigError(f"control.mode: {c.mode!r} is not one of "
+                          f"{', '.join(repr(m) for m in CONTROL_MODES)}")
+    if c.controller not in CONTROLLERS:
+        raise ConfigError(f"control.controller: {c.controller!r} is not one of "
+                          f"{', '.join(repr(m) for m in CONTROLLERS)}")
+    _range("control.window_min_ms", c.window_min_ms, 0.1, 60000)
+    _range("control.window_max_ms", c.window_max_ms, c.window_min_ms, 60000)
+    _range("control.window_ms", c.window_ms, c.window_min_ms, c.window_max_ms)
+    _range("control.slo_ms", c.slo_ms, 0.1, 3600000)
+    _range("control.interval_s", c.interval_s, 0.05, 3600)
+    _range("control.min_score", c.min_score, 0, 1)
+    _range("control.cpu_fraction", c.cpu_fraction, 0.05, 1024)
+    _range("control.cpu_weight", c.cpu_weight, 1, 100)
+    _range("control.max_actions", c.max_actions, 0, 64)
+    _range("control.clear_after_s", c.clear_after_s, 0, 86400)
+    _range("control.stream_priority", c.stream_priority, -16, 16)
+    _range("control.copy_budget_bytes_per_s", c.copy_budget_bytes_per_s, 0, 1e13)
 
 
 def _range(key: str, v: float, lo: float, hi: float) -> None:

@@ -40,7 +40,9 @@ from sits_trace.agent.tracing.pipeline import Rescans, SpanSink, Tracer
 from sits_trace.agent.tracing.procfs import ProcFS
 from sits_trace.agent.tracing.redact import QueryRedactor
 from sits_trace.agent.tracing.spans import SpanBuilder
+from sits_trace.analyzers.control.agent_hook import AgentControl
 from sits_trace.analyzers.features import FeatureFrame
+from sits_trace.exporters.control_log import otlp_action_log
 from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samples, metric_samples
 
 # SIGTERM to exit: the ring is read for at most this long after the probes are detached;
@@ -80,6 +82,15 @@ class Agent:
         self._last_stats_write = 0.0
         self.drain_abandoned_bytes = 0  # ring bytes left unread at the stop deadline
         self.heartbeat = time.monotonic()  # last loop turn (the systemd watchdog reads it)
+        self.control = self._control() if cfg.control.enabled else None  # docs/control.md
+        if self.control is not None:
+            self.sink = self.control.tee(sink)
+
+    def _control(self) -> AgentControl:
+        e = self.cfg.export
+        sinks = [otlp_action_log(e.otlp_endpoint, e.otlp_protocol or "grpc")] \
+            if e.otlp_endpoint else []
+        return AgentControl.build(self.cfg.control, proc_root=self.procfs.root, on_action=sinks)
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []
@@ -128,6 +139,8 @@ class Agent:
         for s in self.signals:  # handlers, observers, annotators: node's first, then GPU's
             s.install(self.tracer)
         self.features = self._feature_frame(offset)
+        if self.control is not None:
+            self.control.start()
 
     def _feature_frame(self, offset: int) -> FeatureFrame | None:
         """The per-second frame of whatever signals this node has (GPU or not)."""
@@ -222,6 +235,8 @@ class Agent:
             self.features.stop()
         for s in self.signals:
             s.stop()
+        if self.control is not None:
+            self.control.stop()  # undoes every action it took
         self._maybe_write_stats(force=True)
 
     def stats(self) -> AgentStats:
@@ -262,6 +277,8 @@ class Agent:
             out.extend(cuda_counter_samples(self.gpu.cuda.totals()))
         if self.node is not None:
             out.extend(counter_samples(self.node))
+        if self.control is not None:
+            out.extend(self.control.metric_samples())
         return out
 
     def _maybe_write_stats(self, force: bool = False) -> None:

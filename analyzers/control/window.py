@@ -1,0 +1,255 @@
+"""Batch-window controllers: each turns one interval's latency and load into the next window.
+
+A dynamic batcher holds the first queued request up to the window, then runs what it has
+(or runs early when the batch is full). A longer window makes larger batches: more requests
+per second of compute, more waiting per request. The controllers:
+
+  StaticWindow    a fixed window (the baselines' sweep: 5, 10, 20, 50, 100 ms).
+  PublishedRule   the published rule: EWMA-smoothed P95 against the target; shrink 20% when
+                  it is above 1.2x target, grow 15% when it is below 0.7x target and
+                  throughput rose more than 10% since the last interval; bounds 10..500 ms.
+  Aimd            Clipper-style AIMD: add a fixed step while P95 meets the target, cut 10%
+                  when it does not.
+  VerdictWindow   ours: the RCA's cause gates the direction (never grow for a cause a larger
+                  batch cannot fix: network, CPU, GPU, memory; shrink for queueing only when
+                  the batcher's wait is the bottleneck, grow when a backlog shows capacity is),
+                  and an online fit of latency against batch size picks the window that uses
+                  the latency budget when load is light.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from .verdicts import NOT_BATCHING
+
+
+@dataclass(frozen=True)
+class Bounds:
+    lo_ms: float = 10.0
+    hi_ms: float = 500.0
+
+    def clip(self, w: float) -> float:
+        return min(self.hi_ms, max(self.lo_ms, w))
+
+
+@dataclass(frozen=True)
+class IntervalStats:
+    """What one control interval saw of one service."""
+
+    duration_s: float
+    completed: int  # requests that finished in the interval
+    p95_ms: float | None  # None when none finished
+    batch_size: float | None = None  # mean batch size the server reported
+    queue_depth: float | None = None  # mean queue depth the server reported
+    arrivals: int | None = None  # requests that arrived, when known
+
+    @property
+    def throughput_rps(self) -> float:
+        return self.completed / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def arrival_rps(self) -> float | None:
+        if self.arrivals is None or self.duration_s <= 0:
+            return None
+        return self.arrivals / self.duration_s
+
+
+class WindowController(Protocol):
+    name: str
+    window_ms: float
+
+    def step(self, stats: IntervalStats, cause: str | None) -> float:
+        """The window for the next interval, given this one and the RCA's top cause."""
+        ...
+
+
+class StaticWindow:
+    def __init__(self, window_ms: float) -> None:
+        self.name = f"static-{window_ms:g}ms"
+        self.window_ms = window_ms
+
+    def step(self, stats: IntervalStats, cause: str | None) -> float:
+        return self.window_ms
+
+
+class PublishedRule:
+    def __init__(self, target_ms: float, window_ms: float = 20.0, bounds: Bounds = Bounds(),
+                 alpha: float = 0.3) -> None:
+        self.name = "published-rule"
+        self.target_ms = target_ms
+        self.bounds = bounds
+        self.window_ms = bounds.clip(window_ms)
+        self.alpha = alpha
+        self.ewma_ms: float | None = None
+        self._last_rps: float | None = None
+
+    def step(self, stats: IntervalStats, cause: str | None) -> float:
+        if stats.p95_ms is None:
+            return self.window_ms
+        self.ewma_ms = _ewma(self.ewma_ms, stats.p95_ms, self.alpha)
+        rps, last = stats.throughput_rps, self._last_rps
+        self._last_rps = rps
+        if self.ewma_ms > 1.2 * self.target_ms:
+            self.window_ms = self.bounds.clip(self.window_ms * 0.8)
+        elif self.ewma_ms < 0.7 * self.target_ms and last is not None and rps > 1.1 * last:
+            self.window_ms = self.bounds.clip(self.window_ms * 1.15)
+        return self.window_ms
+
+
+class Aimd:
+    def __init__(self, target_ms: float, window_ms: float = 20.0, bounds: Bounds = Bounds(),
+                 step_ms: float = 5.0, cut: float = 0.9) -> None:
+        self.name = "aimd"
+        self.target_ms = target_ms
+        self.bounds = bounds
+        self.window_ms = bounds.clip(window_ms)
+        self.step_ms = step_ms
+        self.cut = cut
+
+    def step(self, stats: IntervalStats, cause: str | None) -> float:
+        if stats.p95_ms is None:
+            return self.window_ms
+        if stats.p95_ms > self.target_ms:
+            self.window_ms = self.bounds.clip(self.window_ms * self.cut)
+        else:
+            self.window_ms = self.bounds.clip(self.window_ms + self.step_ms)
+        return self.window_ms
+
+
+class BatchLatencyModel:
+    """Online least squares of latency-beyond-the-window against batch size: ms = a + b*size.
+
+    Fed only from intervals without a backlog (queueing would bias the slope); old points
+    fade (forgetting factor), so a new request mix is learnt again within tens of intervals.
+    """
+
+    def __init__(self, forget: float = 0.95, min_points: int = 6) -> None:
+        self.forget = forget
+        self.min_points = min_points
+        self.n = 0
+        self._s = [0.0] * 5  # sums of w, w*x, w*y, w*x*x, w*x*y
+
+    def add(self, size: float, ms: float) -> None:
+        f = self.forget
+        s = self._s
+        self._s = [f * s[0] + 1, f * s[1] + size, f * s[2] + ms,
+                   f * s[3] + size * size, f * s[4] + size * ms]
+        self.n += 1
+
+    def coef(self) -> tuple[float, float] | None:
+        """(a, b), or None until enough points with enough spread in batch size."""
+        w, sx, sy, sxx, sxy = self._s
+        if self.n < self.min_points or w <= 0:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var < 0.25:  # batch sizes all within about one request: no slope to learn
+            return None
+        b = (sxy / w - (sx / w) * (sy / w)) / var
+        a = sy / w - b * sx / w
+        return max(0.0, a), max(0.0, b)
+
+    def reset(self) -> None:
+        self.n = 0
+        self._s = [0.0] * 5
+
+
+class VerdictWindow:
+    """Ours: the cause decides the direction, the learnt model the size of the step."""
+
+    def __init__(self, target_ms: float, window_ms: float = 20.0, bounds: Bounds = Bounds(),
+                 alpha: float = 0.5, budget: float = 0.5) -> None:
+        self.name = "ours"
+        self.target_ms = target_ms
+        self.bounds = bounds
+        self.window_ms = bounds.clip(window_ms)
+        self.alpha = alpha
+        self.budget = budget  # share of the target the window may take when load is light
+        self.model = BatchLatencyModel()
+        self.ewma_ms: float | None = None
+        self.last_reason = "start"
+
+    def step(self, stats: IntervalStats, cause: str | None) -> float:
+        if stats.p95_ms is None:
+            self.last_reason = "idle"
+            return self.window_ms
+        if cause == "request_mix_shift":
+            self.model.reset()  # the sizes changed: what was learnt no longer holds
+        self.ewma_ms = _ewma(self.ewma_ms, stats.p95_ms, self.alpha)
+        backlog = _backlog(stats)
+        if stats.batch_size is not None and not backlog:
+            self.model.add(stats.batch_size, max(0.0, stats.p95_ms - self.window_ms))
+        proposal, self.last_reason = self._propose(stats, cause, backlog)
+        if cause in NOT_BATCHING:
+            proposal = min(proposal, self.window_ms)  # a bigger batch cannot fix it
+            self.last_reason += f"; held ({cause})"
+        self.window_ms = self.bounds.clip(proposal)
+        return self.window_ms
+
+    def _propose(self, s: IntervalStats, cause: str | None, backlog: bool) -> tuple[float, str]:
+        assert s.p95_ms is not None and self.ewma_ms is not None
+        w, t = self.window_ms, self.target_ms
+        hot = s.p95_ms > t or self.ewma_ms > 0.9 * t
+        if hot and backlog:
+            return w * 1.5, "backlog: capacity is short, larger batches"
+        if hot:
+            return w * 0.7, "wait-bound: the window is the bottleneck"
+        if backlog:
+            return w * 1.2, "backlog building under the target"
+        fit = self._fit(s)
+        if fit is not None:
+            return fit, "model: window that spends the latency budget"
+        if self.ewma_ms < 0.5 * t:
+            return w * 1.15, "light load: more batching headroom"
+        if self.ewma_ms > 0.75 * t:
+            return w * 0.9, "near the target"
+        return w, "steady"
+
+    def _fit(self, s: IntervalStats) -> float | None:
+        """Largest window whose predicted P95 (window + a + b*size) stays within the budget."""
+        coef = self.model.coef()
+        rate = s.arrival_rps or s.throughput_rps
+        if coef is None or rate <= 0:
+            return None
+        a, b = coef
+        best = None
+        for w in _grid(self.bounds):
+            size = max(1.0, rate * w / 1000.0)
+            if w + a + b * size <= self.budget * self.target_ms:
+                best = w
+        if best is None:
+            return None
+        # move at most 1.5x per interval either way: the fit is noisy
+        return min(self.window_ms * 1.5, max(self.window_ms / 1.5, best))
+
+
+def _backlog(s: IntervalStats) -> bool:
+    """More requests waiting than one batch takes, or arrivals outrunning completions."""
+    if s.queue_depth is not None and s.queue_depth > max(1.0, s.batch_size or 1.0):
+        return True
+    rate = s.arrival_rps
+    return rate is not None and rate > 1.1 * s.throughput_rps + 1.0
+
+
+def _grid(bounds: Bounds, n: int = 40) -> list[float]:
+    lo, hi = math.log(bounds.lo_ms), math.log(bounds.hi_ms)
+    return [math.exp(lo + (hi - lo) * i / (n - 1)) for i in range(n)]
+
+
+def _ewma(prev: float | None, x: float, alpha: float) -> float:
+    return x if prev is None else alpha * x + (1 - alpha) * prev
+
+
+def make_controller(kind: str, target_ms: float, window_ms: float, bounds: Bounds) -> WindowController:
+    """A controller by name: static, rule, aimd or ours ("verdict")."""
+    if kind == "static":
+        return StaticWindow(window_ms)
+    if kind == "rule":
+        return PublishedRule(target_ms, window_ms, bounds)
+    if kind == "aimd":
+        return Aimd(target_ms, window_ms, bounds)
+    if kind in ("verdict", "ours"):
+        return VerdictWindow(target_ms, window_ms, bounds)
+    raise ValueError(f"unknown controller {kind!r} (static, rule, aimd, verdict)")

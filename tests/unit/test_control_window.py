@@ -1,0 +1,129 @@
+"""Batch-window controllers: the published rule, AIMD and ours, step by step."""
+
+from __future__ import annotations
+
+import pytest
+from sits_trace.analyzers.control.window import (
+    Aimd,
+    BatchLatencyModel,
+    Bounds,
+    IntervalStats,
+    PublishedRule,
+    StaticWindow,
+    VerdictWindow,
+    make_controller,
+)
+
+
+def stats(p95: float | None, done: int = 100, batch: float | None = None,
+          queue: float | None = None, arrivals: int | None = None) -> IntervalStats:
+    return IntervalStats(duration_s=1.0, completed=done, p95_ms=p95, batch_size=batch,
+                         queue_depth=queue, arrivals=arrivals)
+
+
+def test_static_never_moves() -> None:
+    c = StaticWindow(5)
+    assert [c.step(stats(p), None) for p in (1, 1e6, None)] == [5, 5, 5]
+
+
+def test_rule_shrinks_20pct_above_1_2x_target() -> None:
+    c = PublishedRule(target_ms=100, window_ms=100, alpha=1.0)
+    assert c.step(stats(121), None) == pytest.approx(80)
+    assert c.step(stats(121), None) == pytest.approx(64)
+
+
+def test_rule_holds_between_thresholds_and_without_throughput_rise() -> None:
+    c = PublishedRule(target_ms=100, window_ms=100, alpha=1.0)
+    assert c.step(stats(110), None) == 100  # between 0.7x and 1.2x
+    assert c.step(stats(50, done=100), None) == 100  # low, but throughput flat
+    assert c.step(stats(50, done=105), None) == 100  # rose only 5%
+
+
+def test_rule_grows_15pct_when_low_and_throughput_rose() -> None:
+    c = PublishedRule(target_ms=100, window_ms=100, alpha=1.0)
+    c.step(stats(50, done=100), None)
+    assert c.step(stats(50, done=120), None) == pytest.approx(115)
+
+
+def test_rule_smooths_and_respects_bounds() -> None:
+    c = PublishedRule(target_ms=100, window_ms=12, alpha=0.3)
+    c.step(stats(100), None)
+    assert c.step(stats(150), None) == 12  # raw 150 > 120, but the EWMA is 115
+    assert c.step(stats(150), None) == 10  # EWMA 125.5: shrink 20%, clipped at 10
+    assert c.step(stats(1000), None) == 10
+    hi = PublishedRule(target_ms=1000, window_ms=490, alpha=1.0)
+    hi.step(stats(10, done=10), None)
+    assert hi.step(stats(10, done=100), None) == 500
+
+
+def test_aimd_adds_then_cuts() -> None:
+    c = Aimd(target_ms=100, window_ms=20, step_ms=5)
+    assert c.step(stats(50), None) == 25
+    assert c.step(stats(50), None) == 30
+    assert c.step(stats(150), None) == pytest.approx(27)
+
+
+def test_model_learns_slope_and_forgets() -> None:
+    m = BatchLatencyModel(min_points=4)
+    assert m.coef() is None
+    for size in (1, 2, 4, 8, 1, 2, 4, 8):
+        m.add(size, 10 + 3 * size)
+    a, b = m.coef() or (0, 0)
+    assert a == pytest.approx(10, abs=1e-6) and b == pytest.approx(3, abs=1e-6)
+    m.reset()
+    assert m.coef() is None
+
+
+def test_model_needs_spread_in_batch_size() -> None:
+    m = BatchLatencyModel(min_points=2)
+    for _ in range(10):
+        m.add(4, 50)
+    assert m.coef() is None
+
+
+def test_ours_never_grows_for_network_or_cpu_causes() -> None:
+    for cause in ("network_delay", "network_loss", "cpu_starvation", "gpu_throttling"):
+        c = VerdictWindow(target_ms=100, window_ms=50)
+        # a backlog that would otherwise make it grow
+        w = c.step(stats(150, batch=4, queue=20), cause)
+        assert w <= 50, cause
+
+
+def test_ours_grows_under_backlog_when_the_rule_shrinks() -> None:
+    backlog = stats(300, batch=8, queue=40, arrivals=150, done=100)
+    ours = VerdictWindow(target_ms=100, window_ms=20)
+    rule = PublishedRule(target_ms=100, window_ms=20)
+    assert ours.step(backlog, "server_queueing") > 20
+    assert rule.step(backlog, "server_queueing") < 20
+
+
+def test_ours_shrinks_queueing_only_when_the_wait_is_the_bottleneck() -> None:
+    c = VerdictWindow(target_ms=100, window_ms=200)
+    # p95 over target, queue within one batch: the batcher's wait is what costs
+    assert c.step(stats(220, batch=4, queue=2), "server_queueing") < 200
+
+
+def test_ours_uses_the_learnt_model_under_light_load() -> None:
+    c = VerdictWindow(target_ms=400, window_ms=10, budget=0.5)
+    # latency beyond the window = 20 + 5 * batch; 100 req/s
+    for w, size in ((10, 1), (20, 2), (40, 4), (60, 6), (80, 8), (100, 10)):
+        c.window_ms = w
+        c.step(stats(w + 20 + 5 * size, batch=size, queue=0, arrivals=100), None)
+    c.window_ms = 50
+    nxt = c.step(stats(50 + 20 + 25, batch=5, queue=0, arrivals=100), None)
+    # largest w with w + 20 + 5*(0.1 w) <= 200 is 120; one step moves at most 1.5x
+    assert nxt == pytest.approx(75, rel=0.02)
+    assert "model" in c.last_reason
+
+
+def test_idle_interval_keeps_the_window() -> None:
+    for c in (PublishedRule(100, 30), Aimd(100, 30), VerdictWindow(100, 30)):
+        assert c.step(stats(None, done=0), None) == 30
+
+
+def test_make_controller_names() -> None:
+    b = Bounds()
+    assert isinstance(make_controller("rule", 100, 20, b), PublishedRule)
+    assert isinstance(make_controller("verdict", 100, 20, b), VerdictWindow)
+    with pytest.raises(ValueError, match="unknown controller"):
+        make_controller("pid", 100, 20, b)
