@@ -13,8 +13,9 @@ per second of compute, more waiting per request. The controllers:
   VerdictWindow   ours: the RCA's cause gates the direction (never grow for a cause a larger
                   batch cannot fix: network, CPU, GPU, memory; shrink for queueing only when
                   the batcher's wait is the bottleneck, grow when a backlog shows capacity is),
-                  and an online fit of latency against batch size picks the window that uses
-                  the latency budget when load is light.
+                  and what it learns online decides whether waiting pays at all: batch size
+                  against window, latency against batch size. A window that buys no larger
+                  batches (continuous batching) is pure latency and goes to its floor.
 """
 
 from __future__ import annotations
@@ -119,57 +120,76 @@ class Aimd:
         return self.window_ms
 
 
-class BatchLatencyModel:
-    """Online least squares of latency-beyond-the-window against batch size: ms = a + b*size.
+class OnlineFit:
+    """Online least squares y = a + b*x with forgetting: old points fade, so a new regime
+    (request mix, load) is learnt again within tens of intervals."""
 
-    Fed only from intervals without a backlog (queueing would bias the slope); old points
-    fade (forgetting factor), so a new request mix is learnt again within tens of intervals.
-    """
-
-    def __init__(self, forget: float = 0.95, min_points: int = 6) -> None:
+    def __init__(self, forget: float = 0.95, min_points: int = 6, min_var: float = 0.25) -> None:
         self.forget = forget
         self.min_points = min_points
+        self.min_var = min_var  # x must spread at least this much (variance) to give a slope
         self.n = 0
-        self._s = [0.0] * 5  # sums of w, w*x, w*y, w*x*x, w*x*y
+        self._s = [0.0] * 5  # weighted sums of 1, x, y, x*x, x*y
 
-    def add(self, size: float, ms: float) -> None:
-        f = self.forget
-        s = self._s
-        self._s = [f * s[0] + 1, f * s[1] + size, f * s[2] + ms,
-                   f * s[3] + size * size, f * s[4] + size * ms]
+    def add(self, x: float, y: float) -> None:
+        f, s = self.forget, self._s
+        self._s = [f * s[0] + 1, f * s[1] + x, f * s[2] + y, f * s[3] + x * x, f * s[4] + x * y]
         self.n += 1
 
     def coef(self) -> tuple[float, float] | None:
-        """(a, b), or None until enough points with enough spread in batch size."""
+        """(a, b), or None until enough points with enough spread in x."""
         w, sx, sy, sxx, sxy = self._s
         if self.n < self.min_points or w <= 0:
             return None
         var = sxx / w - (sx / w) ** 2
-        if var < 0.25:  # batch sizes all within about one request: no slope to learn
+        if var < self.min_var:
             return None
         b = (sxy / w - (sx / w) * (sy / w)) / var
-        a = sy / w - b * sx / w
-        return max(0.0, a), max(0.0, b)
+        return sy / w - b * sx / w, b
 
     def reset(self) -> None:
         self.n = 0
         self._s = [0.0] * 5
 
 
+class BatchLatencyModel(OnlineFit):
+    """Latency beyond the window against batch size: ms = a + b*size (a, b >= 0).
+
+    Fed only from intervals without a backlog (queueing would bias the slope)."""
+
+    def coef(self) -> tuple[float, float] | None:
+        c = super().coef()
+        return None if c is None else (max(0.0, c[0]), max(0.0, c[1]))
+
+
 class VerdictWindow:
-    """Ours: the cause decides the direction, the learnt model the size of the step."""
+    """Ours: the cause decides the direction; what it learns decides whether waiting pays.
+
+    Two online fits: latency beyond the window against batch size (the cost of a batch),
+    and batch size against the window (does waiting longer make batches larger at all?
+    under continuous batching it does not). A window that does not buy larger batches is
+    pure latency: it goes to its floor. One that does is grown under a backlog and, under
+    light load, set to the largest window the latency budget allows.
+    """
 
     def __init__(self, target_ms: float, window_ms: float = 20.0, bounds: Bounds = Bounds(),
-                 alpha: float = 0.5, budget: float = 0.5) -> None:
+                 alpha: float = 0.5, budget: float = 0.5, pays_slope: float = 0.01) -> None:
         self.name = "ours"
         self.target_ms = target_ms
         self.bounds = bounds
         self.window_ms = bounds.clip(window_ms)
         self.alpha = alpha
         self.budget = budget  # share of the target the window may take when load is light
+        self.pays_slope = pays_slope  # requests per batch gained per ms of window
         self.model = BatchLatencyModel()
+        self.sizes = OnlineFit(min_var=4.0)  # batch size against window (ms)
         self.ewma_ms: float | None = None
         self.last_reason = "start"
+
+    def batching_pays(self) -> bool | None:
+        """Does a longer window make larger batches? None until the window has varied."""
+        c = self.sizes.coef()
+        return None if c is None else c[1] >= self.pays_slope
 
     def step(self, stats: IntervalStats, cause: str | None) -> float:
         if stats.p95_ms is None:
@@ -177,46 +197,53 @@ class VerdictWindow:
             return self.window_ms
         if cause == "request_mix_shift":
             self.model.reset()  # the sizes changed: what was learnt no longer holds
+            self.sizes.reset()
         self.ewma_ms = _ewma(self.ewma_ms, stats.p95_ms, self.alpha)
         backlog = _backlog(stats)
-        if stats.batch_size is not None and not backlog:
-            self.model.add(stats.batch_size, max(0.0, stats.p95_ms - self.window_ms))
-        proposal, self.last_reason = self._propose(stats, cause, backlog)
-        if cause in NOT_BATCHING:
-            proposal = min(proposal, self.window_ms)  # a bigger batch cannot fix it
+        if stats.batch_size is not None:
+            self.sizes.add(self.window_ms, stats.batch_size)
+            if not backlog:
+                self.model.add(stats.batch_size, max(0.0, stats.p95_ms - self.window_ms))
+        proposal, self.last_reason = self._propose(stats, backlog)
+        if cause in NOT_BATCHING and proposal > self.window_ms:
+            proposal = self.window_ms  # a bigger batch cannot fix it
             self.last_reason += f"; held ({cause})"
         self.window_ms = self.bounds.clip(proposal)
         return self.window_ms
 
-    def _propose(self, s: IntervalStats, cause: str | None, backlog: bool) -> tuple[float, str]:
+    def _propose(self, s: IntervalStats, backlog: bool) -> tuple[float, str]:
         assert s.p95_ms is not None and self.ewma_ms is not None
         w, t = self.window_ms, self.target_ms
         hot = s.p95_ms > t or self.ewma_ms > 0.9 * t
+        pays = self.batching_pays()
         if hot and backlog:
+            if pays is False:
+                return w * 0.5, "backlog, but waiting does not make larger batches"
             return w * 1.5, "backlog: capacity is short, larger batches"
         if hot:
             return w * 0.7, "wait-bound: the window is the bottleneck"
-        if backlog:
-            return w * 1.2, "backlog building under the target"
+        if pays is False:
+            return w * 0.8, "waiting buys no larger batches: the window is pure latency"
+        if pays is None:
+            return w * 0.85, "probing down: a window costs latency until it is seen to pay"
         fit = self._fit(s)
         if fit is not None:
-            return fit, "model: window that spends the latency budget"
-        if self.ewma_ms < 0.5 * t:
-            return w * 1.15, "light load: more batching headroom"
+            return fit, "model: the window that spends the latency budget"
+        if backlog:
+            return w * 1.2, "backlog building under the target"
         if self.ewma_ms > 0.75 * t:
             return w * 0.9, "near the target"
         return w, "steady"
 
     def _fit(self, s: IntervalStats) -> float | None:
         """Largest window whose predicted P95 (window + a + b*size) stays within the budget."""
-        coef = self.model.coef()
-        rate = s.arrival_rps or s.throughput_rps
-        if coef is None or rate <= 0:
+        coef, sizes = self.model.coef(), self.sizes.coef()
+        if coef is None or sizes is None:
             return None
         a, b = coef
         best = None
         for w in _grid(self.bounds):
-            size = max(1.0, rate * w / 1000.0)
+            size = max(1.0, sizes[0] + sizes[1] * w)
             if w + a + b * size <= self.budget * self.target_ms:
                 best = w
         if best is None:

@@ -127,3 +127,32 @@ def test_make_controller_names() -> None:
     assert isinstance(make_controller("verdict", 100, 20, b), VerdictWindow)
     with pytest.raises(ValueError, match="unknown controller"):
         make_controller("pid", 100, 20, b)
+
+
+def test_ours_learns_that_waiting_does_not_pay_and_goes_to_the_floor() -> None:
+    # continuous batching: the batch size follows the load, not the window
+    c = VerdictWindow(target_ms=500, window_ms=100, bounds=Bounds(2, 500))
+    for _ in range(30):
+        c.step(stats(150, batch=6, queue=0, arrivals=100), None)
+    assert c.batching_pays() is False
+    assert c.window_ms == 2
+    # a backlog does not make it grow again: larger windows were seen to buy nothing
+    c.step(stats(900, batch=6, queue=30, arrivals=150), "server_queueing")
+    assert c.window_ms == 2 and "does not make larger batches" in c.last_reason
+
+
+def test_ours_grows_when_waiting_does_make_larger_batches() -> None:
+    c = VerdictWindow(target_ms=500, window_ms=40, bounds=Bounds(2, 500))
+    for w in (40, 30, 20, 10, 20, 30, 40):  # batches grow with the window: 1 per 5 ms
+        c.window_ms = w
+        c.step(stats(w + 50, batch=w / 5, queue=0, arrivals=200), None)
+    assert c.batching_pays() is True
+    c.window_ms = 40
+    assert c.step(stats(900, batch=8, queue=30, arrivals=300), "server_queueing") == 60
+
+
+def test_ours_probes_down_before_it_knows() -> None:
+    c = VerdictWindow(target_ms=500, window_ms=100)
+    assert c.batching_pays() is None
+    assert c.step(stats(100, batch=4, queue=0), None) == pytest.approx(85)
+    assert "probing" in c.last_reason
