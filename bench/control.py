@@ -394,18 +394,20 @@ def _r(x: float | None) -> float | None:
 
 def _recovery(records: list[wl.Record], f0: float, f1: float, slo_s: float,
               hold_s: int = 3) -> float | None:
-    """Seconds from the fault's start until p99 TTFT per 1 s bin (by send time) is back
-    under the SLO and stays there for `hold_s` bins, while the fault lasts; None if never."""
+    """Seconds from the fault's start until the p99 TTFT of requests sent in each 1 s bin is
+    back under the SLO for `hold_s` bins running, after it first broke it, while the fault
+    lasts. 0.0: it never broke the SLO; None: it never recovered."""
     bins: dict[int, list[float]] = {}
     for r in records:
         if f0 <= r.scheduled_s < f1:
-            t = ttft_s(r) if r.ok else math.inf
-            bins.setdefault(int(r.scheduled_s - f0), []).append(t if t is not None else math.inf)
-    n = int(f1 - f0)
-    ok = [bool(bins.get(i)) and (wl.percentile(bins[i], 99) or 0) <= slo_s for i in range(n)]
-    for i in range(n - hold_s + 1):
-        if all(ok[i:i + hold_s]) and any(
-                (wl.percentile(bins.get(j, [0.0]), 99) or 0) > slo_s for j in range(i)):
+            t = ttft_s(r) if r.ok else None
+            bins.setdefault(int(r.scheduled_s - f0), []).append(math.inf if t is None else t)
+    good = [(wl.percentile(bins.get(i, []), 99) or 0.0) <= slo_s for i in range(int(f1 - f0))]
+    if all(good):
+        return 0.0
+    first_bad = good.index(False)
+    for i in range(first_bad + 1, len(good) - hold_s + 1):
+        if all(good[i:i + hold_s]):
             return float(i)
     return None
 

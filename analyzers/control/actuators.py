@@ -76,8 +76,8 @@ class CpuAction:
     weight: int = 10
     applied: bool = False
     started_unix: float = 0.0
-    low_usage_since: float | None = None  # monotonic; the culprit below half its cap since
-    last_usage_usec: int | None = None
+    low_since: float | None = None  # monotonic; the culprit's demand under half its cap since
+    last_demand_ns: int | None = None  # schedstat run + wait ns at the last check
     last_check: float | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -192,14 +192,16 @@ class CgroupCpuActuator:
 
     # -- is the cause still there? ---------------------------------------------------------
 
-    def usage_fraction(self, action: CpuAction, now: float) -> float | None:
-        """CPUs the throttled cgroup used since the last call (None on the first call)."""
-        usec = self._usage_usec(self._dir(action.cgroup))
-        prev, prev_t = action.last_usage_usec, action.last_check
-        action.last_usage_usec, action.last_check = usec, now
-        if usec is None or prev is None or prev_t is None or now <= prev_t:
+    def demand_cpus(self, action: CpuAction, now: float) -> float | None:
+        """CPUs the throttled processes wanted since the last call: time on a CPU plus time
+        runnable and waiting for one (schedstat), so a culprit held back by its cap or its
+        weight still shows its full demand. None on the first call."""
+        ns = self._demand_ns(self._dir(action.cgroup))
+        prev, prev_t = action.last_demand_ns, action.last_check
+        action.last_demand_ns, action.last_check = ns, now
+        if prev is None or prev_t is None or now <= prev_t:
             return None
-        return max(0, usec - prev) / 1e6 / (now - prev_t)
+        return max(0, ns - prev) / 1e9 / (now - prev_t)
 
     def alive(self, action: CpuAction) -> bool:
         procs = _read(self._dir(action.cgroup) / "cgroup.procs").split()
@@ -224,22 +226,18 @@ class CgroupCpuActuator:
             (d / "cpu.cfs_quota_us").write_text(str(quota))
             (d / "cpu.shares").write_text(str(max(2, a.weight * 1024 // 100)))
 
-    def _usage_usec(self, d: Path) -> int | None:
-        if self.h.version == 2:
-            for line in _read(d / "cpu.stat").splitlines():
-                if line.startswith("usage_usec "):
-                    return int(line.split()[1])
-            return None
-        # v1's cpu controller keeps no usage: the CPU time of the processes inside it
-        ticks = 0
+    def _demand_ns(self, d: Path) -> int:
+        total = 0
         for pid in _read(d / "cgroup.procs").split():
-            stat = _read(self.proc / pid / "stat")
             try:
-                fields = stat.rsplit(")", 1)[1].split()
-                ticks += int(fields[11]) + int(fields[12])  # utime + stime
-            except (IndexError, ValueError):
+                tasks = list((self.proc / pid / "task").iterdir())
+            except OSError:
                 continue
-        return ticks * 1_000_000 // os.sysconf("SC_CLK_TCK")
+            for task in tasks:
+                fields = _read(task / "schedstat").split()
+                if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+                    total += int(fields[0]) + int(fields[1])
+        return total
 
     def _move(self, pid: int, d: Path) -> bool:
         try:

@@ -10,8 +10,8 @@
 Modes: `observe` computes and logs and exports, publishes nothing, touches nothing;
 `advise` publishes the decisions on the API (the server may follow them) and lists CPU
 actions as advised, touching nothing; `act` also applies the CPU actions. An action is
-undone when its cause clears (the culprit exited, or used under half of its cap for
-`clear_after_s`), and all of them when the loop stops.
+undone when its cause clears (the culprit exited, or wanted under half of its cap, running or
+runnable, for `clear_after_s`), and all of them when the loop stops.
 """
 
 from __future__ import annotations
@@ -264,13 +264,13 @@ class ControlLoop:
         if not self.actuator.alive(action):
             reason = "the culprit exited"
         else:
-            used = self.actuator.usage_fraction(action, now)
-            if used is not None and used < 0.5 * action.cpu_fraction:
-                action.low_usage_since = action.low_usage_since or now
-                if now - action.low_usage_since >= self.opts.clear_after_s:
-                    reason = f"the culprit used {used:.2f} CPU, under half its cap"
-            elif used is not None:
-                action.low_usage_since = None
+            wanted = self.actuator.demand_cpus(action, now)
+            if wanted is not None and wanted < 0.5 * action.cpu_fraction:
+                action.low_since = action.low_since or now
+                if now - action.low_since >= self.opts.clear_after_s:
+                    reason = f"the culprit wanted {wanted:.2f} CPU, under half its cap"
+            elif wanted is not None:
+                action.low_since = None
         if reason is not None:
             self.actuator.revert(action.pid)
             self._record("cpu_restore", action.cause, applied=True, pid=action.pid,

@@ -37,10 +37,17 @@ def fake_node(tmp: Path) -> tuple[Path, Path]:
         (d / "stat").write_text(f"{pid} ({comm}) R {ppid} {pid} {pid} 0 -1 4194560 "
                                 "0 0 0 0 100 50 0 0 20 0 1 0 1 1 1\n")
         (d / "cgroup").write_text(f"0::{VICTIM}\n")
+        (d / "task" / str(pid)).mkdir(parents=True)
+        (d / "task" / str(pid) / "schedstat").write_text("0 0 0\n")
     (cg / VICTIM.lstrip("/")).mkdir(parents=True)
     (cg / "user.slice" / "cgroup.subtree_control").write_text("cpu memory")
     (cg / VICTIM.lstrip("/") / "cgroup.procs").write_text("42\n43\n7\n")
     return proc, cg
+
+
+def schedstat(tmp: Path, pid: int, run_ns: int, wait_ns: int) -> None:
+    (tmp / "proc" / str(pid) / "task" / str(pid) / "schedstat").write_text(
+        f"{run_ns} {wait_ns} 1\n")
 
 
 def tree_digest(root: Path) -> str:
@@ -133,15 +140,13 @@ def test_act_undoes_when_the_culprit_stops_competing(tmp_path: Path) -> None:
     pushed.push(verdict())
     loop.tick()
     (d / "cgroup.procs").write_text("42\n43\n")
-    usage = 0
-    for _ in range(8):  # 0.25 CPU cap; it uses 0.05 CPU: under half the cap
+    for i in range(1, 9):  # 0.25 CPU cap; it wants 0.05 CPU (run + wait): under half the cap
         if not d.exists():
             break
-        usage += 50_000
-        (d / "cpu.stat").write_text(f"usage_usec {usage}\n")
+        schedstat(tmp_path, 42, run_ns=i * 30_000_000, wait_ns=i * 20_000_000)
         clock.t += 1
         loop.tick()
-    assert not d.exists() and clock.t == 1007  # first rate at 1002, then low for 5 s
+    assert not d.exists() and clock.t == 1006  # first rate at 1001, then low for 5 s
     assert (cg / VICTIM.lstrip("/") / "cgroup.procs").read_text() == "43"  # moved back
     assert loop.board.snapshot()[0]["cpu_actions"] == []
     restore = [r for r in RECORDS[id(loop)] if r["kind"] == "cpu_restore"]
@@ -153,10 +158,9 @@ def test_act_keeps_the_throttle_while_the_culprit_uses_its_cap(tmp_path: Path) -
     d = cg / THROTTLE.lstrip("/")
     pushed.push(verdict())
     loop.tick()
-    usage = 0
-    for _ in range(10):
-        usage += 250_000
-        (d / "cpu.stat").write_text(f"usage_usec {usage}\n")
+    (d / "cgroup.procs").write_text("42\n43\n")
+    for i in range(1, 11):  # on a CPU 0.05 s a second (held back), runnable 1.9 s: it wants 2
+        schedstat(tmp_path, 42, run_ns=i * 50_000_000, wait_ns=i * 1_900_000_000)
         clock.t += 1
         loop.tick()
     assert d.exists() and loop.actuator is not None and 42 in loop.actuator.active
