@@ -270,3 +270,24 @@ def test_control_config_keys(tmp_path: Path) -> None:
                           ("cpu_fraction", "0.01", "control.cpu_fraction")):
         with pytest.raises(ConfigError, match=msg):
             load(env={f"SITS_CONTROL_{key.upper()}": val})
+
+
+def test_the_agent_tees_spans_to_the_loop_and_exports_its_metrics() -> None:
+    from sits_trace.agent.config import Config
+    from sits_trace.agent.daemon import Agent
+
+    cfg = Config()
+    cfg.control = ControlConfig(mode="observe", socket_path="", service="llm")
+    seen: list[Span] = []
+    agent = Agent(cfg, seen.append)
+    assert agent.control is not None
+    span = Span("0" * 32, "1" * 16, None, "GET", "SERVER", 0, 7_000_000,
+                {"process.executable.name": "llm", "process.pid": 7})
+    agent.sink(span)
+    assert seen == [span]  # the exporters still get every span
+    agent.control.loop.tick()
+    assert agent.control.loop.last_p95_ms == 7.0
+    names = {s.name for s in agent.metric_samples()}
+    assert {"sits_control_mode", "sits_control_latency_p95_seconds"} <= names
+    cfg.control = ControlConfig(enabled=False)
+    assert Agent(cfg, seen.append).control is None
