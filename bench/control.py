@@ -151,8 +151,11 @@ def controller(name: str, slo_ms: float, start_ms: float, ours_min_ms: float) ->
         return PublishedRule(slo_ms, max(10.0, start_ms))
     if name == "aimd":
         return Aimd(slo_ms, max(10.0, start_ms))
-    if name == "ours":
-        return VerdictWindow(slo_ms, start_ms, Bounds(ours_min_ms, 500.0))
+    if name == "ours" or name.startswith("ours@"):  # ours@10: ours with a 10 ms floor
+        floor = float(name.partition("@")[2] or ours_min_ms)
+        ctl = VerdictWindow(slo_ms, start_ms, Bounds(floor, 500.0))
+        ctl.name = name
+        return ctl
     raise BenchError(f"unknown controller {name!r}")
 
 
@@ -259,7 +262,7 @@ def window_experiment(a: argparse.Namespace) -> dict[str, Any]:
     planned = wl.plan(wl.load_trace(wl.trace_path(a.trace)), shaping)
     if not planned:
         raise BenchError("the replay plan is empty: check --trace/--start/--duration")
-    names = [f"static-{w:g}" for w in a.static] + ["rule", "aimd", "ours"]
+    names = [f"static-{w:g}" for w in a.static] + a.controllers
     rows, runs = [], []
     with tempfile.TemporaryDirectory(prefix="sits-ctl-") as tmp:
         server = Server.start(Path(tmp) / "control.sock", a.server_arg)
@@ -441,7 +444,7 @@ def svg_window(result: dict[str, Any], path: Path) -> None:
         mean = sum(vals) / len(vals)
         x = left + i * bw + bw * 0.15
         y = bottom - (bottom - 30) * mean / top
-        color = "#d62728" if n == "ours" else "#1f77b4" if n in ("rule", "aimd") else "#999"
+        color = "#d62728" if n.startswith("ours") else "#1f77b4" if n in ("rule", "aimd") else "#999"
         out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw * 0.7:.1f}" '
                    f'height="{bottom - y:.1f}" fill="{color}"/>')
         lo = bottom - (bottom - 30) * min(vals) / top
@@ -460,7 +463,8 @@ def svg_window(result: dict[str, Any], path: Path) -> None:
 def _svg_timeline(result: dict[str, Any], x0: int, y0: int, width: int,
                   height: int) -> list[str]:
     series = {k: v for k, v in result["windows"].items()
-              if k.split("#")[0] in ("rule", "aimd", "ours") and k.endswith("#0")}
+              if k.split("#")[0] in ("published-rule", "aimd", "ours", "ours@10")
+              and k.endswith("#0")}
     if not series:
         return []
     tmax = max((t for v in series.values() for t, _ in v), default=1.0) or 1.0
@@ -475,14 +479,15 @@ def _svg_timeline(result: dict[str, Any], x0: int, y0: int, width: int,
         out.append(f'<line x1="{sx:.1f}" x2="{sx:.1f}" y1="{y0}" y2="{y0 + height}" '
                    'stroke="#888" stroke-dasharray="4"/>')
         out.append(f'<text x="{sx + 3:.1f}" y="{y0 + 12}">load step</text>')
-    colors = {"rule": "#1f77b4", "aimd": "#2ca02c", "ours": "#d62728"}
+    colors = {"published-rule": "#1f77b4", "aimd": "#2ca02c", "ours": "#d62728",
+              "ours@10": "#ff7f0e"}
     for i, (k, pts) in enumerate(sorted(series.items())):
         name = k.split("#")[0]
         xy = " ".join(f"{x0 + width * t / tmax:.1f},{y0 + height - height * (v or 0) / wmax:.1f}"
                       for t, v in pts)
         out.append(f'<polyline points="{xy}" fill="none" stroke="{colors[name]}" '
                    'stroke-width="1.5"/>')
-        out.append(f'<text x="{x0 + width - 60}" y="{y0 + 16 + 14 * i}" '
+        out.append(f'<text x="{x0 + width - 90}" y="{y0 + 16 + 14 * i}" '
                    f'fill="{colors[name]}">{name}</text>')
     out.append(f'<text x="{x0}" y="{y0 + height + 14}">0 s</text>')
     out.append(f'<text x="{x0 + width}" y="{y0 + height + 14}" text-anchor="end">'
@@ -508,13 +513,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--interval", type=float, default=0.5, help="control interval, seconds")
     p.add_argument("--start-window-ms", type=float, default=20.0)
-    p.add_argument("--ours-min-ms", type=float, default=10.0,
-                   help="ours' lower bound (the published rule's is 10 ms)")
+    p.add_argument("--ours-min-ms", type=float, default=2.0,
+                   help="ours' floor (the server's own default window; the rule's is 10 ms)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra argument for examples/inference_server.py (repeatable)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     # window
     p.add_argument("--static", type=float, nargs="+", default=[5, 10, 20, 50, 100])
+    p.add_argument("--controllers", nargs="+", default=["rule", "aimd", "ours", "ours@10"],
+                   help="adaptive ones after the static windows; ours@N: ours, N ms floor")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--step-at", type=float, help="load step at this replay second")
     p.add_argument("--step", type=float, default=2.0, help="arrivals this much faster after it")
