@@ -92,6 +92,8 @@ def handle_line(board: DecisionBoard, line: bytes) -> dict[str, Any]:
         req = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         return _error("request is not JSON")
+    except RecursionError:
+        return _error("request is nested too deeply")
     if not isinstance(req, dict):
         return _error("request is not a JSON object")
     op = req.get("op")

@@ -57,6 +57,7 @@ def test_report_is_summed_per_service() -> None:
     b'{"op":"report","queue_depth":true,"batch_size":1,"service":"s"}',
     b'{"op":"report","queue_depth":1,"batch_size":1,"service":""}',
     b'{"op":"report","queue_depth":1,"batch_size":1}',
+    b"[" * 60000 + b"]" * 60000,
 ])
 def test_bad_messages_get_one_line_errors(line: bytes) -> None:
     r = handle_line(DecisionBoard(), line)
