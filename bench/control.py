@@ -267,6 +267,7 @@ def window_experiment(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sits-ctl-") as tmp:
         server = Server.start(Path(tmp) / "control.sock", a.server_arg)
         try:
+            warm_up(server, planned, a)
             for rep in range(a.repeats):
                 order = names if rep % 2 == 0 else names[::-1]  # drift hits both ends alike
                 for name in order:
@@ -284,6 +285,15 @@ def window_experiment(a: argparse.Namespace) -> dict[str, Any]:
     return {"experiment": "window", "args": _jsonable(vars(a)), "requests": len(planned),
             "offered_rps": round(wl.mean_rate([p.at_s for p in planned]), 3), "rows": rows,
             "windows": {f"{r.name}#{r.repeat}": r.windows for r in runs}}
+
+
+def warm_up(server: Server, planned: list[wl.Planned], a: argparse.Namespace) -> None:
+    """The plan's first --warmup seconds, not measured: the first requests to a fresh server
+    pay for connection set-up and first-touch allocations."""
+    head = [p for p in planned if p.at_s < a.warmup]
+    if head:
+        asyncio.run(wl.replay_async(head, wl.Target(server.url, backend="httpx")))
+        server.idle()
 
 
 def _row_line(r: dict[str, Any]) -> str:
@@ -326,6 +336,7 @@ def cpu_experiment(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sits-ctl-") as tmp:
         server = Server.start(Path(tmp) / "control.sock", a.server_arg)
         try:
+            warm_up(server, planned, a)
             for mode in a.modes:
                 res = _cpu_run(server, hier, planned, mode, a, slo_s, start_cpu_competitor)
                 print(_cpu_line(res), flush=True)
@@ -444,7 +455,7 @@ def svg_window(result: dict[str, Any], path: Path) -> None:
         mean = sum(vals) / len(vals)
         x = left + i * bw + bw * 0.15
         y = bottom - (bottom - 30) * mean / top
-        color = "#d62728" if n.startswith("ours") else "#1f77b4" if n in ("rule", "aimd") else "#999"
+        color = "#d62728" if n.startswith("ours") else "#1f77b4" if n in ("published-rule", "aimd") else "#999"
         out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw * 0.7:.1f}" '
                    f'height="{bottom - y:.1f}" fill="{color}"/>')
         lo = bottom - (bottom - 30) * min(vals) / top
@@ -518,6 +529,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra argument for examples/inference_server.py (repeatable)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--warmup", type=float, default=8.0, help="unmeasured replay seconds first")
     # window
     p.add_argument("--static", type=float, nargs="+", default=[5, 10, 20, 50, 100])
     p.add_argument("--controllers", nargs="+", default=["rule", "aimd", "ours", "ours@10"],
