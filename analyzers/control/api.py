@@ -160,8 +160,24 @@ class ControlServer:
             raise ApiError(f"control socket {self.path}: {e.strerror or e} "
                            "(run as root, or set control.socket_path)") from None
         self._sock = s
+        self._warn_unreachable()
         self._thread = threading.Thread(target=self._accept_loop, name="control-api", daemon=True)
         self._thread.start()
+
+    def _warn_unreachable(self) -> None:
+        """The group cannot reach the socket when a directory above it denies them search
+        (e.g. /run/sits-trace made 0750 root:root by another server): say so, change nothing."""
+        if self.gid == 0:
+            return
+        for d in self.path.parents:
+            st = d.stat()
+            if not (st.st_mode & 0o001 or (st.st_gid == self.gid and st.st_mode & 0o010)):
+                log.warning("control API: group %d cannot search %s (mode %o, group %d); "
+                            "its members cannot reach %s: chmod o+x or chgrp it",
+                            self.gid, d, stat.S_IMODE(st.st_mode), st.st_gid, self.path)
+                return
+            if d == Path("/"):
+                return
 
     def _prepare_path(self) -> None:
         try:

@@ -107,6 +107,19 @@ def test_the_configured_group_is_served(run_dir: Path) -> None:
         srv.close()
 
 
+def test_a_directory_the_group_cannot_search_is_reported(run_dir: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    run_dir.chmod(0o750)  # root:root, as another server may have made /run/sits-trace
+    srv = ControlServer(DecisionBoard(), run_dir / "c.sock", group=str(NOBODY))
+    with caplog.at_level("WARNING"):
+        srv.start()
+    try:
+        assert "cannot search" in caplog.text
+        assert as_user(NOBODY, NOBODY, ask_get(srv.path)) == "connect 13"
+    finally:
+        srv.close()
+
+
 # -- the loop as a process, acting on a real culprit ---------------------------------------
 
 CPU = find_cpu_hierarchy()
