@@ -104,7 +104,7 @@ class ApiConfig:
 class ControlConfig:
     """The closed loop (docs/control.md): batch window, CPU and GPU priorities."""
 
-    enabled: bool = True
+    enabled: bool = True  # run the control loop and its socket at all
     mode: str = "advise"  # observe | advise (publish decisions, touch nothing) | act
     socket_path: str = "/run/sits-trace/control.sock"  # "" disables the API
     socket_group: str = ""  # group that may use the API (mode 0660); "" is root's
@@ -112,9 +112,9 @@ class ControlConfig:
     slo_ms: float = 1000.0  # the latency target the window controller holds P95 under
     controller: str = "verdict"  # verdict (ours) | rule (published) | aimd | static
     window_ms: float = 20.0  # the starting window
-    window_min_ms: float = 10.0
-    window_max_ms: float = 500.0
-    interval_s: float = 1.0
+    window_min_ms: float = 10.0  # the window's floor (the published rule's: 10 ms)
+    window_max_ms: float = 500.0  # the window's ceiling (the published rule's: 500 ms)
+    interval_s: float = 1.0  # the loop's period: one decision per interval
     verdicts_path: str = ""  # the RCA's verdicts as JSON lines; "" is none from a file
     min_score: float = 0.5  # a verdict's top cause below this score is not acted on
     cpu_fraction: float = 0.25  # a throttled culprit's CPU cap, in CPUs (at least 0.05)
