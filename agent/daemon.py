@@ -90,7 +90,8 @@ class Agent:
         e = self.cfg.export
         sinks = [otlp_action_log(e.otlp_endpoint, e.otlp_protocol or "grpc")] \
             if e.otlp_endpoint else []
-        return AgentControl.build(self.cfg.control, proc_root=self.procfs.root, on_action=sinks)
+        return AgentControl.build(self.cfg.control, proc_root=Path(self.procfs.root),
+                                  on_action=sinks)
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []

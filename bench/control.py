@@ -47,17 +47,17 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-import workload as wl
-from sits_trace.agent.config import ControlConfig
-from sits_trace.analyzers.control.actuators import (
+import workload as wl  # noqa: E402 - bench/ on the path first
+from sits_trace.agent.config import ControlConfig  # noqa: E402
+from sits_trace.analyzers.control.actuators import (  # noqa: E402
     CgroupCpuActuator,
     find_cpu_hierarchy,
 )
-from sits_trace.analyzers.control.api import ControlServer
-from sits_trace.analyzers.control.board import DecisionBoard
-from sits_trace.analyzers.control.loop import ControlLoop
-from sits_trace.analyzers.control.verdicts import PushedVerdicts
-from sits_trace.analyzers.control.window import (
+from sits_trace.analyzers.control.api import ControlServer  # noqa: E402
+from sits_trace.analyzers.control.board import DecisionBoard  # noqa: E402
+from sits_trace.analyzers.control.loop import ControlLoop  # noqa: E402
+from sits_trace.analyzers.control.verdicts import PushedVerdicts  # noqa: E402
+from sits_trace.analyzers.control.window import (  # noqa: E402
     Aimd,
     Bounds,
     PublishedRule,
@@ -216,7 +216,8 @@ def controlled_replay(server: Server, ctl: WindowController, planned: list[wl.Pl
 
 
 def ttft_s(r: wl.Record) -> float | None:
-    return r.ttft_s if r.ttft_s is not None else r.latency_s
+    t = r.ttft_s if r.ttft_s is not None else r.latency_s
+    return None if t is None else float(t)
 
 
 def phase(records: list[wl.Record], lo: float, hi: float, slo_s: float) -> dict[str, Any]:

@@ -54,12 +54,12 @@ def otlp_action_log(endpoint: str, protocol: str = "grpc",
     """An ActionLog exporting to an OTLP collector (grpc or http/protobuf)."""
     exporter: LogRecordExporter
     if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as Http
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as Http  # noqa: PLC0415 - only the chosen protocol's
 
         url = endpoint.rstrip("/")
         exporter = Http(endpoint=url if url.endswith("/v1/logs") else url + "/v1/logs")
     else:
-        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as Grpc
+        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as Grpc  # noqa: PLC0415 - only the chosen protocol's
 
         exporter = Grpc(endpoint=endpoint, insecure=endpoint.startswith("http://"))
     return ActionLog(exporter, service_name)

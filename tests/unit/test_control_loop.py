@@ -291,3 +291,5 @@ def test_the_agent_tees_spans_to_the_loop_and_exports_its_metrics() -> None:
     assert {"sits_control_mode", "sits_control_latency_p95_seconds"} <= names
     cfg.control = ControlConfig(enabled=False)
     assert Agent(cfg, seen.append).control is None
+    cfg.control = ControlConfig(socket_path="")  # the defaults: advise, plans CPU actions
+    assert Agent(cfg, seen.append).control is not None
