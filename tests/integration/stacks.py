@@ -287,7 +287,7 @@ def server_command(kind: str, port: int, d: Path, tls: bool) -> list[str]:
     if kind.startswith("uvicorn"):
         _, loop, parser = kind.split("-")
         args = [py, "-m", "uvicorn", "sseapp:app", *bind, "--loop", loop, "--http", parser,
-                "--log-level", "warning", "--no-access-log"]
+                "--log-level", "warning", "--no-access-log", "--timeout-keep-alive", "120"]
         return args + (["--ssl-keyfile", str(key), "--ssl-certfile", str(crt)] if tls else [])
     if kind == "hypercorn":
         args = [py, "-m", "hypercorn", "sseapp:app", "--bind", f"127.0.0.1:{port}",
