@@ -27,7 +27,12 @@ from sits_trace.agent.capture.loader import (
     ring_shedder,
     shedding,
 )
-from sits_trace.agent.capture.probes import TLS_LIBRARIES, mapped_libraries, tracefs_root
+from sits_trace.agent.capture.probes import (
+    TLS_LIBRARIES,
+    mapped_libraries,
+    ssl_executable,
+    tracefs_root,
+)
 from sits_trace.agent.capture.shedding import LoadShedder
 from sits_trace.agent.clock import realtime_offset_ns
 from sits_trace.agent.config import STATS_PATH, Config
@@ -174,10 +179,16 @@ class Agent:
     def _check_libraries(self, pid: int) -> None:
         if self.kernel is None:
             return
+        attached = self.kernel.attached_libraries()
         for short, probes in TLS_LIBRARIES:
             for lib in mapped_libraries(pid, short, self.procfs.root):
-                if lib not in self.kernel.attached_libraries():
+                if lib not in attached:
                     self.kernel.attach_uprobes(lib, probes)
+        if self.cfg.trace.tls:
+            exe = ssl_executable(pid, self.procfs.root)  # OpenSSL inside the program (node)
+            if exe is not None and exe not in attached:
+                for _, probes in TLS_LIBRARIES:
+                    self.kernel.attach_uprobes(exe, probes)
         for s in self.signals:
             s.check_process(pid)  # libcuda, probed once per file
 

@@ -12,7 +12,9 @@
 #include "events.h"
 #include "sockio.h"
 
-#define SITS_MAX_IOV 8
+#ifndef SITS_MAX_IOV
+#define SITS_MAX_IOV 32 /* node corks 4 iovecs a chunk; hyper writes up to 16 buffers */
+#endif
 
 static __always_inline void read_sockaddr(struct conn_event *ev, __u64 uaddr)
 {
@@ -275,6 +277,33 @@ static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 io
     return off;
 }
 
+/* does the write start with a TLS record header (content type 20..23, version 3.x)? */
+static __always_inline int tls_record_at(__u64 buf, __u32 iovcnt)
+{
+    __u64 p = buf;
+    if (iovcnt)
+        bpf_probe_read_user(&p, sizeof(p), (void *)buf); /* iov[0].iov_base */
+    __u8 h[3] = {};
+    if (!p || bpf_probe_read_user(h, sizeof(h), (void *)p))
+        return 0;
+    return h[0] >= 20 && h[0] <= 23 && h[1] == 3 && h[2] <= 4;
+}
+
+/* Memory BIO without BIO_write (node's TLSWrap reads ciphertext straight into its BIO):
+ * the ciphertext an SSL call produced (the handshake's reply, then every response) is
+ * written out by the same thread right after the call returned, on the SSL*'s own socket.
+ * An SSL* nothing tied yet is tied to that socket; each SSL call ties at most one write. */
+static __always_inline void tie_written_ssl(struct thread_io *t, struct conn_state *st, __u64 conn)
+{
+    __u64 s = t->ssl.ssl;
+    t->ssl.ssl = 0;
+    if (ssl_conns.lookup(&s))
+        return;
+    ssl_conns.update(&s, &conn);
+    st->ssl = s;
+    st->tls = 1;
+}
+
 static __always_inline int io_exit(long ret)
 {
     __u64 id = bpf_get_current_pid_tgid();
@@ -303,6 +332,8 @@ static __always_inline int io_exit(long ret)
     if (a.direction == 0) {
         t->last_read_conn = a.conn;
         t->last_read_len = (__u32)ret;
+    } else if (t->ssl.ssl && !st->tls && tls_record_at(a.buf, a.iovcnt)) {
+        tie_written_ssl(t, st, a.conn);
     }
     if (st->tls)
         return 0; /* a memory-BIO TLS connection: tls.c emits the plaintext */

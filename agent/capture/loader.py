@@ -30,6 +30,7 @@ from .probes import (
     Uprobe,
     check_tracepoints,
     find_libraries,
+    ssl_executables,
     tracefs_root,
 )
 from .ringbuf import MmapRing
@@ -247,6 +248,9 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
             extra = opts.ssl_libraries if short == "libssl" else ()
             for lib in find_libraries(short, extra=extra):
                 k.attach_uprobes(lib, probes)
+        for exe in ssl_executables():  # OpenSSL linked into the program (node)
+            for _, probes in TLS_LIBRARIES:
+                k.attach_uprobes(exe, probes)
     return k
 
 

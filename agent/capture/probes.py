@@ -10,9 +10,11 @@ found, and a library that lacks a symbol is reported, not fatal.
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from sits_trace.agent.model import Check
 
@@ -177,6 +179,73 @@ def mapped_libraries(pid: int, short: str, proc_root: str = "/proc") -> list[str
     except OSError:
         pass
     return list(out)
+
+
+_SHT_DYNSYM = 11
+_SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym: name, info, other, shndx, value, size
+
+
+def elf_exports(path: str, symbol: str) -> bool:
+    """Does the ELF64 file define `symbol` in its dynamic symbol table? (A program that
+    links OpenSSL statically and exports it, as node does, is probed like libssl.)"""
+    try:
+        with open(path, "rb") as f:
+            return _defines(f, symbol.encode())
+    except (OSError, ValueError, struct.error):
+        return False
+
+
+def _defines(f: BinaryIO, name: bytes) -> bool:
+    eh = f.read(64)
+    if eh[:4] != b"\x7fELF" or eh[4] != 2 or eh[5] != 1:  # ELF64, little-endian
+        return False
+    shoff, = struct.unpack_from("<Q", eh, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", eh, 0x3A)
+    f.seek(shoff)
+    table = f.read(shentsize * shnum)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
+    for _, kind, _, _, off, size, link, _, _, entsize in sections:
+        if kind != _SHT_DYNSYM or entsize != _SYM.size or link >= shnum:
+            continue
+        str_off, str_size = sections[link][4], sections[link][5]
+        f.seek(str_off)
+        at = f.read(str_size).find(b"\x00" + name + b"\x00")
+        if at < 0:
+            return False
+        f.seek(off)
+        syms = f.read(size - size % _SYM.size)
+        return any(n == at + 1 and shndx != 0 for n, _, _, shndx, _, _ in _SYM.iter_unpack(syms))
+    return False
+
+
+def _exe_path(pid: int, proc_root: str) -> str | None:
+    """The program of `pid` as a path on this host (through its root when in a container)."""
+    try:
+        path = os.readlink(f"{proc_root}/{pid}/exe")
+    except OSError:
+        return None
+    real = path if os.path.exists(path) else f"{proc_root}/{pid}/root{path}"
+    return os.path.realpath(real)
+
+
+def ssl_executable(pid: int, proc_root: str = "/proc") -> str | None:
+    """The program of `pid` when it maps no libssl but exports SSL_read itself."""
+    if mapped_libraries(pid, "libssl", proc_root):
+        return None
+    exe = _exe_path(pid, proc_root)
+    return exe if exe is not None and elf_exports(exe, "SSL_read") else None
+
+
+def ssl_executables(proc_root: str = "/proc") -> list[str]:
+    """Running programs that carry OpenSSL inside (see ssl_executable), each looked at once."""
+    seen: dict[str, bool] = {}
+    for pid in _pids(proc_root):
+        if mapped_libraries(pid, "libssl", proc_root):
+            continue
+        exe = _exe_path(pid, proc_root)
+        if exe is not None and exe not in seen:
+            seen[exe] = elf_exports(exe, "SSL_read")
+    return [exe for exe, yes in seen.items() if yes]
 
 
 def tracepoint_checks(tps: Sequence[Tracepoint], root: Path | None) -> list[Check]:
