@@ -80,6 +80,35 @@ class Agent:
         self._last_stats_write = 0.0
         self.drain_abandoned_bytes = 0  # ring bytes left unread at the stop deadline
         self.heartbeat = time.monotonic()  # last loop turn (the systemd watchdog reads it)
+        self.rca: Any = None  # [rca] enabled: the live analysis (analyzers/rca), see _rca_setup
+        self.rca_metrics: Any = None
+        self._rca_add: Callable[[Any], None] | None = None
+        if cfg.rca.enabled:
+            self._rca_setup()
+
+    def _rca_setup(self) -> None:
+        """Spans also go to the RCA engine; verdicts become metrics (sits_rca_*)."""
+        from sits_trace.analyzers.rca.live import LiveRca
+        from sits_trace.analyzers.rca.metrics import VerdictMetrics
+        from sits_trace.analyzers.rca.setup import build_engine
+
+        engine = build_engine(self.cfg.rca, self.cfg.slo, service_name=self.cfg.export.service_name,
+                              frame=lambda: self.features.frame() if self.features else None)
+        self.rca_metrics = VerdictMetrics(fresh_s=2 * engine.s.window_s)
+        self.rca = LiveRca(engine, [self.rca_metrics.observe])
+        self._rca_add = engine.add
+        self.sink = self._with_rca(self.sink)
+
+    def _with_rca(self, sink: SpanSink) -> SpanSink:
+        add = self._rca_add
+        if add is None:
+            return sink
+
+        def both(span: Any) -> None:
+            sink(span)
+            add(span)
+
+        return both
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []
@@ -128,6 +157,8 @@ class Agent:
         for s in self.signals:  # handlers, observers, annotators: node's first, then GPU's
             s.install(self.tracer)
         self.features = self._feature_frame(offset)
+        if self.rca is not None:
+            self.rca.start()
 
     def _feature_frame(self, offset: int) -> FeatureFrame | None:
         """The per-second frame of whatever signals this node has (GPU or not)."""
@@ -196,6 +227,7 @@ class Agent:
 
     def set_sink(self, sink: SpanSink) -> None:
         """Spans go to `sink` from the next one on (a reload's new exporters)."""
+        sink = self._with_rca(sink)
         self.sink = sink
         if self.tracer is not None:
             self.tracer.sink = sink
@@ -218,6 +250,8 @@ class Agent:
                 break
         self.drain_abandoned_bytes = self._ring.pending_bytes() if self._ring is not None else 0
         self.tracer.close_all()
+        if self.rca is not None:
+            self.rca.stop()
         if self.features is not None:
             self.features.stop()
         for s in self.signals:
@@ -262,6 +296,8 @@ class Agent:
             out.extend(cuda_counter_samples(self.gpu.cuda.totals()))
         if self.node is not None:
             out.extend(counter_samples(self.node))
+        if self.rca_metrics is not None:
+            out.extend(self.rca_metrics.samples())
         return out
 
     def _maybe_write_stats(self, force: bool = False) -> None:

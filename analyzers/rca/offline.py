@@ -34,15 +34,21 @@ def frame_of(rec: Recording) -> Callable[[], pd.DataFrame | None]:
     return get
 
 
-def replay(rec: Recording, engine: RcaEngine) -> list[Verdict]:
+def replay(rec: Recording, engine: RcaEngine, tick_s: float = 0.25) -> list[Verdict]:
     events: list[tuple[int, int, int]] = []  # (time, kind 0 procs / 1 span, index)
     events += [(p.t_ns, 0, i) for i, p in enumerate(rec.procs)]
     events += [(s.end_time_unix_nano, 1, i) for i, s in enumerate(rec.spans)]
+    if rec.spans:  # the live loop's ticks (every tick_s): windows close on time, not on spans
+        first = min(s.end_time_unix_nano for s in rec.spans)
+        last = max(s.end_time_unix_nano for s in rec.spans)
+        events += [(t, 2, -1) for t in range(first, last, int(tick_s * 1e9))]
     heapq.heapify(events)
     out: list[Verdict] = []
     while events:
         t, kind, i = heapq.heappop(events)
         out.extend(engine.advance(t))
+        if kind == 2:
+            continue
         if kind == 0:
             engine.add_procs(rec.procs[i])
         else:

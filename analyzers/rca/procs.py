@@ -17,15 +17,16 @@ import numpy as np
 
 _TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 _PAGE_MB = (os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096) / 2**20
+ProcStat = tuple[str, float, float, float, float, int]  # comm, cpu s, rss MB, majflt, minflt, sid
 
 
 @dataclass(slots=True)
 class ProcSnapshot:
     """The node's processes at one moment: pid -> (comm, cpu seconds, rss MB, major faults,
-    minor faults), and pressure-stall totals in seconds."""
+    minor faults, session id), and pressure-stall totals in seconds."""
 
     t_ns: int
-    procs: dict[int, tuple[str, float, float, float, float]] = field(default_factory=dict)
+    procs: dict[int, ProcStat] = field(default_factory=dict)
     psi: dict[str, float] = field(default_factory=dict)  # "cpu_some", "memory_some", ...
 
     def to_json(self) -> dict[str, Any]:
@@ -34,20 +35,22 @@ class ProcSnapshot:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ProcSnapshot:
-        procs = {int(r[0]): (str(r[1]), float(r[2]), float(r[3]), float(r[4]), float(r[5]))
-                 for r in d.get("procs", ())}
+        procs = {int(r[0]): (str(r[1]), float(r[2]), float(r[3]), float(r[4]), float(r[5]),
+                             int(r[6]) if len(r) > 6 else 0) for r in d.get("procs", ())}
         return cls(int(d["t"]), procs, {k: float(v) for k, v in d.get("psi", {}).items()})
 
 
-def parse_stat(text: str) -> tuple[str, float, float, float, float] | None:
-    """(comm, cpu s, rss MB, majflt, minflt) from one /proc/<pid>/stat line."""
+def parse_stat(text: str) -> ProcStat | None:
+    """(comm, cpu s, rss MB, majflt, minflt, session) from one /proc/<pid>/stat line."""
     head, sep, rest = text.rpartition(")")
     if not sep:
         return None
     f = rest.split()
-    try:  # fields after comm start at 3 (state): minflt 10, majflt 12, utime 14, stime 15, rss 24
+    try:  # after comm, from field 3 (state): session 6, minflt 10, majflt 12, utime 14,
+        # stime 15, rss 24 (proc(5))
         cpu = (int(f[11]) + int(f[12])) / _TICK
-        return head.partition("(")[2], cpu, int(f[21]) * _PAGE_MB, float(f[9]), float(f[7])
+        return (head.partition("(")[2], cpu, int(f[21]) * _PAGE_MB, float(f[9]), float(f[7]),
+                int(f[3]))
     except (IndexError, ValueError):
         return None
 
@@ -109,15 +112,18 @@ class ProcDelta:
     majflt_per_s: dict[int, float]
     comm: dict[int, str]
     psi: dict[str, float]  # fraction of the time stalled
+    session: dict[int, int] = field(default_factory=dict)  # session id (autogroup scheduling)
+
+
+_NONE: ProcStat = ("", 0.0, 0.0, 0.0, 0.0, 0)
 
 
 def delta(a: ProcSnapshot, b: ProcSnapshot) -> ProcDelta:
     """b minus a; processes in b only count from zero (started inside the interval)."""
     dt = max((b.t_ns - a.t_ns) / 1e9, 1e-3)
     pids = np.fromiter(b.procs, dtype=np.int64, count=len(b.procs))
-    vb = np.array([b.procs[p][1:] for p in pids.tolist()], dtype=float).reshape(-1, 4)
-    va = np.array([a.procs.get(p, ("", 0.0, 0.0, 0.0, 0.0))[1:] for p in pids.tolist()],
-                  dtype=float).reshape(-1, 4)
+    vb = np.array([b.procs[p][1:5] for p in pids.tolist()], dtype=float).reshape(-1, 4)
+    va = np.array([a.procs.get(p, _NONE)[1:5] for p in pids.tolist()], dtype=float).reshape(-1, 4)
     d = np.maximum(vb - va, 0.0)
     cpu = d[:, 0] / dt
     keys = pids.tolist()
@@ -126,6 +132,7 @@ def delta(a: ProcSnapshot, b: ProcSnapshot) -> ProcDelta:
         dict(zip(keys, (vb[:, 1] - va[:, 1]).tolist())), dict(zip(keys, (d[:, 2] / dt).tolist())),
         {p: b.procs[p][0] for p in keys},
         {k: max(0.0, v - a.psi.get(k, v)) / dt for k, v in b.psi.items()},
+        {p: b.procs[p][5] for p in keys},
     )
 
 

@@ -73,7 +73,13 @@ def competitors(ctx: Context) -> list[tuple[int, str, float, float]]:
 
 def _cpu_culprit(ctx: Context) -> tuple[Culprit | None, float, list[Evidence]]:
     victim = min(ctx.victim_pids) if ctx.victim_pids else 0
-    for pid, comm, b, w in competitors(ctx)[:8]:
+    sess = ctx.proc_win.session if ctx.proc_win is not None else {}
+    mine = {sess.get(p, 0) for p in ctx.victim_pids} - {0}
+    # autogroup scheduling: a process of the victim's session competes with it directly, one
+    # of another session only as a whole group; the same session first, then the largest rise
+    cands = sorted(competitors(ctx)[:8], key=lambda r: (sess.get(r[0], -1) not in mine,
+                                                         r[2] - r[3]))
+    for pid, comm, b, w in cands:
         if victim and not shares_cpus(pid, victim):
             continue
         ev = [Evidence(f"process_cpu_cores{{pid={pid},name={comm}}}", b, w)]
@@ -144,7 +150,8 @@ def heuristic(d: Decomposition, f: Mapping[str, float]) -> dict[str, float]:
     if f["competitor_cpu"] < MIN_COMPETITOR_CORES and queued:
         ex[C.SERVER_QUEUEING] += ex.pop(C.CPU_STARVATION)
         ex[C.CPU_STARVATION] = 0.0
-    if f["competitor_rss_gb"] >= MIN_RSS_GROWTH_GB or f["psi_mem_delta"] > 0.02:
+    if f["psi_mem_delta"] > 0.02 or (f["competitor_rss_gb"] >= MIN_RSS_GROWTH_GB
+                                      and f["victim_majflt_log"] > 0.5):
         ex[C.HOST_MEMORY_PRESSURE] = max(ex[C.HOST_MEMORY_PRESSURE], 1.05 * ex[C.CPU_STARVATION])
     if f["log_srtt"] > 0.5 and ex[C.NETWORK_DELAY] <= 0:
         ex[C.NETWORK_DELAY] = 0.1 * max(d.excess_ms, 0.0)  # RTT moved; server spans hide it

@@ -31,13 +31,14 @@ class RecordingError(ValueError):
 
 
 class Writer:
-    def __init__(self, path: Path, window_s: float = 10.0, started_ns: int = 0) -> None:
+    def __init__(self, path: Path, window_s: float = 10.0, started_ns: int = 0,
+                 agent_pid: int = 0) -> None:
         # held open for the whole recording; close() ends it
         self._f: IO[str] = gzip.open(path, "wt", compresslevel=6)  # noqa: SIM115
         self._lock = threading.Lock()
         self.spans = 0
         self._write({"type": "meta", "version": VERSION, "window_s": window_s,
-                     "started_unix_nano": started_ns})
+                     "started_unix_nano": started_ns, "agent_pid": agent_pid})
 
     def _write(self, obj: dict[str, Any]) -> None:
         line = json.dumps(obj, separators=(",", ":")) + "\n"
