@@ -285,8 +285,11 @@ def run(seed: int, out_dir: Path, baseline_s: float, fault_s: float, gap_s: floa
     order = list(FAULTS)
     rng.shuffle(order)
     total = baseline_s + len(order) * (fault_s + gap_s) + 5
+    # every exchange captured (no load shedding): the labels judge the analysis, not sampling
+    env = {**os.environ, "SITS_TRACE_CPU_BUDGET": "0"}
     recorder = subprocess.Popen([sits, "record", "--out", str(rec), "--duration", str(total),
-                                 "-p", str(procs[1].pid)], stderr=subprocess.PIPE, text=True)
+                                 "-p", str(procs[1].pid)], stderr=subprocess.PIPE, text=True,
+                                env=env)
     assert recorder.stderr is not None
     for line in recorder.stderr:
         if "recording" in line:

@@ -70,12 +70,13 @@ def components(df: pd.DataFrame, metric: str) -> dict[str, np.ndarray]:
     }
 
 
-def dependency_ms(req: pd.DataFrame, deps: pd.DataFrame) -> float:
-    """Time in outgoing calls per request: CLIENT spans of the serving processes, divided by
-    the requests served in the same time."""
+def dependency_ms(req: pd.DataFrame, deps: pd.DataFrame, calls_per_request: float) -> float:
+    """Time in outgoing calls per request: the mean duration of the CLIENT spans of the
+    serving processes times the calls a request makes (counted over baseline and window
+    together: a window's own ratio is noisy at its edges)."""
     if not len(req) or not len(deps):
         return 0.0
-    return float(np.sum(_col(deps, "dur_ms")) / len(req))
+    return float(np.mean(_col(deps, "dur_ms"))) * calls_per_request
 
 
 def size_model(base: pd.DataFrame, metric: str) -> np.ndarray | None:
@@ -124,8 +125,10 @@ def decompose(win: pd.DataFrame, base: pd.DataFrame, metric: str, *,
     for cause, v in cw.items():
         d.explained_ms[cause] = _mean(v) - _mean(cb[cause])
     empty = win.iloc[:0]
-    dw = dependency_ms(win, deps_win if deps_win is not None else empty)
-    db = dependency_ms(base, deps_base if deps_base is not None else empty)
+    dep_w = deps_win if deps_win is not None else empty
+    dep_b = deps_base if deps_base is not None else empty
+    calls = min(50.0, (len(dep_w) + len(dep_b)) / max(len(win) + len(base), 1))
+    dw, db = dependency_ms(win, dep_w, calls), dependency_ms(base, dep_b, calls)
     d.explained_ms[C.SLOW_DEPENDENCY] = (dw - db) * (1.0 if metric != "tbt_ms" else 0.0)
     d.explained_ms[C.REQUEST_MIX_SHIFT] = mix_shift_ms(win, base, metric)
     d.explained_ms[C.HOST_MEMORY_PRESSURE] = d.observed_ms * max(0.0, psi_mem[1] - psi_mem[0])

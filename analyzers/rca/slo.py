@@ -107,19 +107,30 @@ class DegradationRule:
     error_increase: float = 0.05  # error rate up by this fraction (and >= 3 errors)
 
 
+def _mean(df: pd.DataFrame, metric: str) -> float:
+    v = df[COLUMN[metric]].to_numpy(dtype=float)
+    v = v[~np.isnan(v)]
+    return float(np.mean(v)) if len(v) else math.nan
+
+
 def window_stats(df: pd.DataFrame) -> dict[str, float]:
     """The numbers a window contributes to its service's baseline."""
     out = {f"{m}_p95": observe(df, m, 95) for m in METRICS}
+    out.update({f"{m}_mean": _mean(df, m) for m in METRICS})
     out["error_rate"] = observe(df, "error_rate", 0)
     return out
 
 
 def degradation(df: pd.DataFrame, history: Sequence[Mapping[str, float]],
                 rule: DegradationRule) -> list[Breach]:
-    """Breaches of the window against the median of the earlier windows' stats."""
+    """Breaches of the window against the median of the earlier windows' stats: a p95 above
+    the rule's target whose mean also rose by half the ratio (the bulk moved, not one
+    request), or an error-rate jump."""
     now = window_stats(df)
     out: list[Breach] = []
     for key, x in now.items():
+        if key.endswith("_mean"):
+            continue
         past = np.array([h[key] for h in history if not math.isnan(h.get(key, math.nan))])
         if math.isnan(x) or len(past) < 3:
             continue
@@ -132,6 +143,15 @@ def degradation(df: pd.DataFrame, history: Sequence[Mapping[str, float]],
                 out.append(Breach("degradation:" + key, x, target, base))
             continue
         target = max(base * rule.ratio, base + rule.min_increase_ms, base + rule.mad_k * mad)
-        if x > target:
+        if x > target and _bulk_moved(key, now, history, rule):
             out.append(Breach("degradation:" + key, x, target, base))
     return out
+
+
+def _bulk_moved(key: str, now: Mapping[str, float], history: Sequence[Mapping[str, float]],
+                rule: DegradationRule) -> bool:
+    mkey = key.replace("_p95", "_mean")
+    past = [h[mkey] for h in history if not math.isnan(h.get(mkey, math.nan))]
+    if not past or math.isnan(now.get(mkey, math.nan)):
+        return True
+    return now[mkey] > float(np.median(past)) * (1 + (rule.ratio - 1) / 2)

@@ -32,41 +32,44 @@ _NAN = math.nan
 Row = tuple[float | str, ...]
 
 
+_NUMBER = (int, float, bool)
+
+
+def _f(v: AttrValue | None) -> float:
+    return float(v) if v.__class__ in _NUMBER else _NAN
+
+
 def _num(a: Mapping[str, AttrValue], key: str, scale: float = 1.0) -> float:
-    v = a.get(key)
-    if v is None or isinstance(v, str):
-        return _NAN
-    return float(v) * scale
+    return _f(a.get(key)) * scale
 
 
-def _tbt_ms(a: Mapping[str, AttrValue]) -> float:
-    first, last = _num(a, "sits.time_to_first_chunk_ms"), _num(a, "sits.time_to_last_chunk_ms")
-    n = _num(a, "sits.stream.chunks")
+def _tbt_ms(first: float, last: float, n: float) -> float:
     if math.isnan(n) or n < 2 or math.isnan(first) or math.isnan(last):
         return _NAN
     return (last - first) / (n - 1)
 
 
 def span_row(s: Span, service: str) -> Row:
-    """One span as a row of COLUMNS (service: the name its SLOs are configured under)."""
-    a = s.attributes
-    prob = _num(a, "sampling.probability")
-    srv = a.get("server.address")
+    """One span as a row of COLUMNS (service: the name its SLOs are configured under).
+    Called for every span: plain lookups, no loops."""
+    g = s.attributes.get
+    prob = _f(g("sampling.probability"))
+    srv = g("server.address")
+    ttft, n = _f(g("sits.time_to_first_chunk_ms")), _f(g("sits.stream.chunks"))
+    end, start = s.end_time_unix_nano, s.start_time_unix_nano
     return (
-        float(s.end_time_unix_nano), float(s.start_time_unix_nano),
-        (s.end_time_unix_nano - s.start_time_unix_nano) / 1e6,
-        _num(a, "sits.ttfb_ms"), _num(a, "sits.time_to_first_chunk_ms"), _tbt_ms(a),
-        _num(a, "sits.stream.chunks"), _num(a, "http.request.body.size"),
-        _num(a, "http.response.body.size"), 1.0 if s.status_code == "ERROR" else 0.0,
-        _num(a, "sits.cpu.runq_delay_us", 1e-3), _num(a, "sits.tcp.retransmits"),
-        _num(a, "sits.tcp.srtt_us", 1e-3), _num(a, "sits.cuda.sync_wait_ms"),
-        _num(a, "sits.cuda.copy_call_ms"), _num(a, "sits.cuda.h2d_bytes"),
-        _num(a, "sits.gpu.index"), _num(a, "sits.gpu.clocks_event_reasons"),
-        _num(a, "sits.gpu.sm_clock_mhz"), 1.0 / prob if prob > 0 else 1.0,
-        _num(a, "process.pid"), 1.0 if s.kind == "CLIENT" else 0.0,
-        service, str(a.get("http.route") or a.get("url.path") or ""),
-        str(a.get("network.peer.address", "")),
-        f"{srv}:{a.get('server.port', '')}" if srv is not None else "",
+        float(end), float(start), (end - start) / 1e6, _f(g("sits.ttfb_ms")), ttft,
+        _tbt_ms(ttft, _f(g("sits.time_to_last_chunk_ms")), n), n,
+        _f(g("http.request.body.size")), _f(g("http.response.body.size")),
+        1.0 if s.status_code == "ERROR" else 0.0, _f(g("sits.cpu.runq_delay_us")) * 1e-3,
+        _f(g("sits.tcp.retransmits")), _f(g("sits.tcp.srtt_us")) * 1e-3,
+        _f(g("sits.cuda.sync_wait_ms")), _f(g("sits.cuda.copy_call_ms")),
+        _f(g("sits.cuda.h2d_bytes")), _f(g("sits.gpu.index")),
+        _f(g("sits.gpu.clocks_event_reasons")), _f(g("sits.gpu.sm_clock_mhz")),
+        1.0 / prob if prob > 0 else 1.0, _f(g("process.pid")),
+        1.0 if s.kind == "CLIENT" else 0.0, service,
+        str(g("http.route") or g("url.path") or ""), str(g("network.peer.address", "")),
+        f"{srv}:{g('server.port', '')}" if srv is not None else "",
     )
 
 

@@ -60,7 +60,7 @@ def _run(extra: Attrs, *, seconds: int = 40, fault_at: int = 30, rate: int = 40,
         cpu[OTHER] += 0.05
         cpu[HOG] += hog_cores if fault else 0.01
         eng.add_procs(ProcSnapshot(T0 + (sec + 1) * SEC,
-                                   {p: (f"p{p}", c, 50.0, 0.0, 0.0) for p, c in cpu.items()}))
+                                   {p: (f"p{p}", c, 50.0, 0.0, 0.0, p) for p, c in cpu.items()}))
     out += eng.advance(T0 + (seconds + 5) * SEC)
     return out
 
