@@ -8,8 +8,8 @@ it, the rules alone, NSigma, BARO and a random ranking on the other (held-out) r
 
 Per fault type: AC@1, AC@3, Avg@5 (mean of AC@1..5) over the episodes, the share of episodes
 with a culprit whose top cause names it, and the verdict's delay after the end of the window it
-judges. An episode is diagnosed by the first verdict whose window overlaps the fault; none is
-a miss at every k. NSigma and BARO rank per-second metric tables of the same episodes (normal:
+judges. An episode is diagnosed by the first verdict whose window lies mostly inside the
+fault (its middle does); none is a miss at every k. NSigma and BARO rank per-second metric tables of the same episodes (normal:
 the 30 s before the fault; anomalous: the fault), each metric standing for the cause it would
 indicate; a cause ranks where its best metric ranks.
 """
@@ -33,7 +33,7 @@ from sits_trace.analyzers.rca.engine import RcaEngine, RcaSettings
 from sits_trace.analyzers.rca.model import LinearModel, load, train
 from sits_trace.analyzers.rca.offline import frame_of, replay
 from sits_trace.analyzers.rca.procs import delta
-from sits_trace.analyzers.rca.rank import FEATURES
+from sits_trace.analyzers.rca.rank import MODEL_FEATURES as FEATURES
 from sits_trace.analyzers.rca.recording import Recording, read
 from sits_trace.analyzers.rca.spantable import service_of, span_row, to_frame
 from sits_trace.analyzers.rca.verdict import Verdict
@@ -47,6 +47,7 @@ CANDIDATES = tuple(c for c in C.VOCABULARY if c != C.UNKNOWN)
 class Episode:
     run: str
     cause: str
+    judge: str  # the spans whose verdict counts: SERVER, or CLIENT for network faults
     culprit: dict[str, Any] | None
     start_ns: int
     end_ns: int
@@ -63,13 +64,19 @@ def engine(model: LinearModel | None, rec: Recording) -> RcaEngine:
 
 
 def episodes(rec: Recording, run: str) -> list[Episode]:
-    return [Episode(run, lab["cause"], lab.get("culprit"), int(lab["start_ns"]),
-                    int(lab["end_ns"])) for lab in rec.labels]
+    return [Episode(run, lab["cause"], lab.get("judge", "SERVER"), lab.get("culprit"),
+                    int(lab["start_ns"]), int(lab["end_ns"])) for lab in rec.labels]
+
+
+def _in(v: Verdict, ep: Episode) -> bool:
+    """The verdict's window lies mostly inside the fault (its middle is)."""
+    mid = (v.window_start_unix_nano + v.window_end_unix_nano) // 2
+    return ep.start_ns <= mid < ep.end_ns
 
 
 def first_verdict(vs: Sequence[Verdict], ep: Episode) -> Verdict | None:
-    hits = [v for v in vs if v.window_end_unix_nano > ep.start_ns
-            and v.window_start_unix_nano < ep.end_ns and v.kind == "SERVER"]
+    hits = [v for v in vs if _in(v, ep)
+            and v.kind == ep.judge]
     return hits[0] if hits else None
 
 
@@ -85,11 +92,13 @@ def culprit_ok(v: Verdict, ep: Episode) -> bool | None:
 
 # ---- NSigma and BARO on metric tables ----
 
-def metric_table(rec: Recording, server_pid: int) -> pd.DataFrame:
-    """Per-second metrics of the run, each column named `<cause>|<metric>`."""
+def metric_table(rec: Recording, server_pid: int, kind: str = "SERVER") -> pd.DataFrame:
+    """Per-second metrics of the run, each column named `<cause>|<metric>`: of the server's
+    requests, or (kind CLIENT, network faults) of the load generator's."""
     df = to_frame(span_row(s, service_of(s)) for s in rec.spans)
     df["sec"] = (df["end_ns"] // 1e9).astype("int64")
-    srv = df[(df["client"] == 0) & (df["pid"] == server_pid)]
+    srv = df[(df["client"] == 0) & (df["pid"] == server_pid)] if kind == "SERVER" else \
+        df[(df["client"] == 1) & (df["pid"] != server_pid)]
     dep = df[(df["client"] == 1) & (df["pid"] == server_pid)]
     g = srv.groupby("sec")
     cols = {
@@ -176,8 +185,10 @@ def evaluate(paths: Sequence[Path], model: LinearModel | None) -> list[Episode]:
         eps = episodes(rec, p.name)
         ours = replay(rec, engine(model, rec))
         rules = replay(rec, engine(None, rec))
-        table = metric_table(rec, int(rec.labels[0]["server_pid"])) if rec.labels else None
+        tables = {k: metric_table(rec, int(rec.labels[0]["server_pid"]), k)
+                  for k in {ep.judge for ep in eps}} if rec.labels else {}
         for ep in eps:
+            table = tables.get(ep.judge)
             for name, vs in (("ours", ours), ("rules", rules)):
                 v = first_verdict(vs, ep)
                 ep.rankings[name] = [c.cause for c in v.causes] if v else []
@@ -227,8 +238,7 @@ def training_rows(paths: Sequence[Path]) -> tuple[np.ndarray, list[str]]:
         vs = replay(rec, engine(None, rec))
         for ep in episodes(rec, p.name):
             for v in vs:
-                if v.kind == "SERVER" and v.window_end_unix_nano > ep.start_ns \
-                        and v.window_start_unix_nano < ep.end_ns:
+                if v.kind == ep.judge and _in(v, ep):
                     xs.append([v.features.get(k, 0.0) for k in FEATURES])
                     ys.append(ep.cause)
     return np.array(xs, dtype=float), ys

@@ -53,7 +53,7 @@ DATA = _data_dir()
 TRACE = DATA / "azure_llm_inference_2023_conv.csv"
 TOKEN_CPU_ITERS = 20  # sha256 rounds of 4 KiB per output token (~0.1 ms CPU)
 TOKEN_SLEEP_S = 0.004  # the "GPU" time of a decode step
-SLOTS = 2  # requests served at once; the rest wait (dynamic batching stand-in)
+SLOTS = 3  # requests served at once; the rest wait (dynamic batching stand-in)
 _BUF = b"x" * 4096
 
 
@@ -69,7 +69,7 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
-def serve(port: int, dep_port: int) -> None:
+def serve(port: int, dep_port: int, host: str = "127.0.0.1") -> None:
     slots = threading.BoundedSemaphore(SLOTS)
     local = threading.local()
 
@@ -109,7 +109,7 @@ def serve(port: int, dep_port: int) -> None:
                 del kv
             self.wfile.write(b"0\r\n\r\n")
 
-    _Server(("127.0.0.1", port), H).serve_forever()
+    _Server((host, port), H).serve_forever()
 
 
 def dep(port: int) -> None:
@@ -147,7 +147,8 @@ def sizes(path: Path, limit: int = 20000) -> list[tuple[int, int]]:
     return out
 
 
-def load(port: int, rate: float, seed: int, control: Path, trace: Path) -> None:
+def load(port: int, rate: float, seed: int, control: Path, trace: Path,
+         host: str = "127.0.0.1") -> None:
     rng = random.Random(seed)
     normal = sizes(trace)
     by_size = sorted(normal, key=lambda s: s[0] + 4 * s[1])
@@ -160,7 +161,7 @@ def load(port: int, rate: float, seed: int, control: Path, trace: Path) -> None:
         try:
             c = getattr(local, "conn", None)
             if c is None:
-                c = local.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                c = local.conn = http.client.HTTPConnection(host, port, timeout=30)
             body = json.dumps({"prompt_tokens": n_in, "max_tokens": n_out, "stream": True})
             c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             c.getresponse().read()
@@ -265,7 +266,7 @@ def _get(port: int, path: str) -> None:
     c.close()
 
 
-INTENSITY = {"cpu_starvation": (2, 3, 4), "server_queueing": (3.5, 4.0, 5.0),
+INTENSITY = {"cpu_starvation": (2, 3, 4), "server_queueing": (4.0, 5.0, 6.0),
              "request_mix_shift": (1.0,), "slow_dependency": (25.0, 40.0, 60.0)}
 
 
@@ -322,12 +323,78 @@ def run(seed: int, out_dir: Path, baseline_s: float, fault_s: float, gap_s: floa
     return rec
 
 
+NET_INTENSITY = {"network_delay": (10.0, 20.0, 40.0), "network_loss": (0.03, 0.05, 0.1)}
+
+
+def run_net(seed: int, out_dir: Path, baseline_s: float, fault_s: float, gap_s: float,
+            rate: float, sits: str) -> Path:
+    """network_delay and network_loss between the load (client netns) and the server (root
+    netns), through bench/faults' TUN relay. Both the server and the load generator are traced:
+    the client's spans carry what the network did to the exchange."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.faults.netns import Topology
+
+    rng = random.Random(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rec = out_dir / f"net-{seed}.jsonl.gz"
+    control = out_dir / f".control-net-{seed}.json"
+    control.write_text(json.dumps({"rate_mult": 1.0, "mix": "normal"}))
+    me = [sys.executable, str(Path(__file__).resolve())]
+    order = list(NET_INTENSITY)
+    rng.shuffle(order)
+    total = baseline_s + len(order) * (fault_s + gap_s) + 5
+    labels: list[dict[str, Any]] = []
+    with Topology(server_in_root=True, seed=seed) as topo:
+        host, port, dep_port = topo.ip_of("server"), _free_port(), _free_port()
+        procs = [subprocess.Popen([*me, "dep", "--port", str(dep_port)])]
+        procs.append(subprocess.Popen([*me, "serve", "--port", str(port), "--dep-port",
+                                       str(dep_port), "--host", host]))
+        _wait_port(dep_port)
+        time.sleep(1.0)
+        load_p = topo.popen("client", [*me, "load", "--port", str(port), "--rate", str(rate),
+                                       "--seed", str(seed), "--control", str(control),
+                                       "--host", host, "--trace", str(TRACE)])
+        env = {**os.environ, "SITS_TRACE_CPU_BUDGET": "0"}
+        recorder = subprocess.Popen([sits, "record", "--out", str(rec), "--duration", str(total),
+                                     "-p", str(procs[1].pid), "-p", str(load_p.pid)],
+                                    stderr=subprocess.PIPE, text=True, env=env)
+        assert recorder.stderr is not None
+        for line in recorder.stderr:
+            if "recording" in line:
+                break
+        try:
+            time.sleep(baseline_s)
+            for cause in order:
+                x = rng.choice(NET_INTENSITY[cause])
+                kw = {"delay_ms": x} if cause == "network_delay" else {"loss": x}
+                t0 = topo.set_link(**kw)
+                time.sleep(fault_s)
+                t1 = topo.set_link()
+                # judged on the client's spans, whose peer across the bad link is the server
+                labels.append({"cause": cause, "culprit": {"peer": host},
+                               "start_ns": t0, "end_ns": t1, "intensity": x, "seed": seed,
+                               "server_pid": procs[1].pid, "client_pid": load_p.pid,
+                               "judge": "CLIENT"})
+                time.sleep(gap_s)
+            recorder.wait(timeout=total + 60)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(5)
+    with gzip.open(rec, "at") as f:
+        for lab in labels:
+            f.write(json.dumps({"type": "label", **lab}) + "\n")
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--dep-port", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1")
     d = sub.add_parser("dep")
     d.add_argument("--port", type=int, required=True)
     lo = sub.add_parser("load")
@@ -336,21 +403,26 @@ def main() -> None:
     lo.add_argument("--seed", type=int, default=0)
     lo.add_argument("--control", type=Path, required=True)
     lo.add_argument("--trace", type=Path, default=TRACE)
+    lo.add_argument("--host", default="127.0.0.1")
     r = sub.add_parser("run")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, default=Path("runs"))
-    r.add_argument("--baseline", type=float, default=40.0)
-    r.add_argument("--fault", type=float, default=15.0)
-    r.add_argument("--gap", type=float, default=25.0)
-    r.add_argument("--rate", type=float, default=8.0)
+    r.add_argument("--baseline", type=float, default=30.0)
+    r.add_argument("--fault", type=float, default=12.0)
+    r.add_argument("--gap", type=float, default=20.0)
+    r.add_argument("--rate", type=float, default=5.0)
     r.add_argument("--sits", default=str(Path(sys.executable).parent / "sits-trace"))
+    r.add_argument("--net", action="store_true",
+                   help="network faults: the load in a client netns behind bench/faults' relay")
     a = ap.parse_args()
     if a.cmd == "serve":
-        serve(a.port, a.dep_port)
+        serve(a.port, a.dep_port, a.host)
     elif a.cmd == "dep":
         dep(a.port)
     elif a.cmd == "load":
-        load(a.port, a.rate, a.seed, a.control, a.trace)
+        load(a.port, a.rate, a.seed, a.control, a.trace, a.host)
+    elif a.net:
+        print(run_net(a.seed, a.out, a.baseline, a.fault, a.gap, a.rate, a.sits))
     else:
         print(run(a.seed, a.out, a.baseline, a.fault, a.gap, a.rate, a.sits))
 

@@ -97,9 +97,21 @@ def _size_matrix(df: pd.DataFrame) -> np.ndarray:
                             _col(df, "resp_bytes") / 1e3])
 
 
+MIX_MIN_SHIFT = 0.1  # |log ratio| of mean chunks or request size below this: no mix shift
+
+
+def mix_shifted(win: pd.DataFrame, base: pd.DataFrame) -> bool:
+    """Whether the requests' sizes moved at all (the size model's noise is not a shift)."""
+    for c in ("chunks", "req_bytes", "resp_bytes"):
+        w, b = float(np.mean(_col(win, c))), float(np.mean(_col(base, c)))
+        if w > 0 and b > 0 and abs(np.log(w / b)) > MIX_MIN_SHIFT:
+            return True
+    return False
+
+
 def mix_shift_ms(win: pd.DataFrame, base: pd.DataFrame, metric: str) -> float:
     beta = size_model(base, metric)
-    if beta is None or not len(win):
+    if beta is None or not len(win) or not mix_shifted(win, base):
         return 0.0
     return float(np.mean(_size_matrix(win) @ beta) - np.mean(_size_matrix(base) @ beta))
 

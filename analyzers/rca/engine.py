@@ -173,7 +173,9 @@ class RcaEngine:
         if self._exclude is not None:
             ctx.exclude_pids = self._exclude
         f = rank.features(d, ctx)
-        causes = rank.ranked(d, ctx, scores(self.model, f, rank.heuristic(d, f)))
+        rules = rank.heuristic(d, f)
+        f.update({k: rules.get(k[2:], 0.0) for k in rank.RULE_FEATURES})
+        causes = rank.ranked(d, ctx, scores(self.model, f, rules))
         return Verdict(now, svc, route, breach, causes, t0, t1,
                        "CLIENT" if kind else "SERVER", f)
 

@@ -28,7 +28,11 @@ FEATURES: tuple[str, ...] = (
     "frac_mem", "frac_rest", "log_rate", "log_inflight", "log_srtt", "retrans_delta",
     "log_chunks", "log_req_bytes", "competitor_cpu", "victim_cpu_delta", "competitor_rss_gb",
     "psi_cpu_delta", "psi_mem_delta", "victim_majflt_log", "error_delta", "log_excess",
+    "session_competitor_cpu",
 )
+# the rules' shares (heuristic()) are features too: the model learns when to trust them
+RULE_FEATURES: tuple[str, ...] = tuple(f"h_{c}" for c in C.VOCABULARY)
+MODEL_FEATURES: tuple[str, ...] = FEATURES + RULE_FEATURES
 _FRAC = {"frac_cpu": C.CPU_STARVATION, "frac_loss": C.NETWORK_LOSS,
          "frac_delay": C.NETWORK_DELAY, "frac_copy": C.PCIE_CONTENTION,
          "frac_sync": C.GPU_COMPUTE_CONTENTION, "frac_dep": C.SLOW_DEPENDENCY,
@@ -130,6 +134,9 @@ def features(d: Decomposition, ctx: Context) -> dict[str, float]:
     f["log_req_bytes"] = _lr(s["req_bytes"])
     comp = competitors(ctx)
     f["competitor_cpu"] = comp[0][3] - comp[0][2] if comp else 0.0
+    sess = ctx.proc_win.session if ctx.proc_win is not None else {}
+    mine = {sess.get(p, 0) for p in ctx.victim_pids} - {0}
+    f["session_competitor_cpu"] = sum(w - b for p, _, b, w in comp if sess.get(p, -1) in mine)
     vb, vw = _victim(ctx, "cpu_cores")
     f["victim_cpu_delta"] = vw - vb
     f["competitor_rss_gb"] = _rss_culprit(ctx)[1]
@@ -146,7 +153,9 @@ def heuristic(d: Decomposition, f: Mapping[str, float]) -> dict[str, float]:
     """Rule-based scores in 0..1: each cause's share of the increase, with the rules that
     split the run-queue wait between a competitor and the server's own load."""
     ex = {c: max(0.0, d.explained_ms.get(c, 0.0)) for c in C.VOCABULARY}
-    queued = f["log_rate"] > 0.15 or f["log_inflight"] > 0.4
+    bigger = max(f["log_chunks"], f["log_req_bytes"]) > 0.1
+    # more arrivals than the baseline's, or more requests in flight with no bigger requests
+    queued = f["log_rate"] > 0.15 or (f["log_inflight"] > 0.4 and not bigger)
     if f["competitor_cpu"] < MIN_COMPETITOR_CORES and queued:
         ex[C.SERVER_QUEUEING] += ex.pop(C.CPU_STARVATION)
         ex[C.CPU_STARVATION] = 0.0
@@ -156,7 +165,17 @@ def heuristic(d: Decomposition, f: Mapping[str, float]) -> dict[str, float]:
     if f["log_srtt"] > 0.5 and ex[C.NETWORK_DELAY] <= 0:
         ex[C.NETWORK_DELAY] = 0.1 * max(d.excess_ms, 0.0)  # RTT moved; server spans hide it
     rest = max(0.0, d.excess_ms - sum(ex.values()))
-    ex[C.SERVER_QUEUEING if queued else C.UNKNOWN] += rest
+    # what no signal explains (mostly waiting for a slot behind slower requests): queueing
+    # when arrivals rose; the CPU when a process of the server's own session took it; bigger
+    # requests when sizes grew; queueing when only the requests in flight grew; else unknown
+    if f["log_rate"] > 0.15:
+        ex[C.SERVER_QUEUEING] += rest
+    elif f["session_competitor_cpu"] >= MIN_COMPETITOR_CORES and ex[C.CPU_STARVATION] > 0:
+        ex[C.CPU_STARVATION] += rest
+    elif bigger:
+        ex[C.REQUEST_MIX_SHIFT] += rest
+    else:
+        ex[C.SERVER_QUEUEING if queued else C.UNKNOWN] += rest
     total = max(sum(ex.values()), 1e-9)
     return {c: v / total for c, v in ex.items() if v > 0}
 
