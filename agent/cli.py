@@ -394,7 +394,8 @@ def _rca_replay(cfg: Any, path: Path, window: float | None, printer: Any) -> Non
     try:
         engine = build_engine(cfg.rca, cfg.slo, window_s=window,
                               service_name=cfg.export.service_name, frame=frame_of(rec),
-                              clock_ns=lambda: min(ts))
+                              clock_ns=lambda: min(ts),
+                              exclude_pids={int(rec.meta.get("agent_pid", 0))} - {0})
     except SetupError as exc:
         _fail(str(exc))
     for v in replay(rec, engine):
@@ -428,7 +429,7 @@ def record(
     from .daemon import Agent  # noqa: PLC0415
 
     try:
-        writer = Writer(out, cfg.rca.window_s, time.time_ns())
+        writer = Writer(out, cfg.rca.window_s, time.time_ns(), os.getpid())
     except OSError as exc:
         _fail(f"cannot write {out}: {exc.strerror}")
     agent = Agent(cfg, writer.span)
