@@ -162,7 +162,9 @@ class RcaEngine:
         base = pd.concat([f[2] for f in grp.frames]) if grp.frames else g.iloc[:0]
         bdeps = pd.concat([f[3] for f in grp.frames]) if grp.frames else deps.iloc[:0]
         b0, b1 = (grp.frames[0][0], grp.frames[-1][1]) if grp.frames else (t0, t0)
-        pw, pb = self._proc_delta(t0, t1), self._proc_delta(b0, b1)
+        # the window's processes up to the newest snapshot (taken after the window closed):
+        # a competitor that started late in the window shows with its full rate
+        pw, pb = self._proc_delta(t0, max(t1, now)), self._proc_delta(b0, b1)
         psi = (pb.psi.get("memory_some", 0.0) if pb else 0.0,
                pw.psi.get("memory_some", 0.0) if pw else 0.0)
         nb = max(len(grp.frames), 1)

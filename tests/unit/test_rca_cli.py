@@ -54,3 +54,17 @@ def test_rca_normal_without_anomalous_is_one_line(tmp_path: Path) -> None:
 def test_rca_help_has_examples() -> None:
     p = run("rca", "--help")
     assert p.returncode == 0 and "Examples" in p.stdout and "--from" in p.stdout
+
+
+def test_rca_ranks_metric_tables_with_the_baselines(tmp_path: Path) -> None:
+    n, a = tmp_path / "n.csv", tmp_path / "a.csv"
+    n.write_text("time,a_cpu,b_cpu\n1,1,5\n2,1.1,5\n3,0.9,5.2\n4,1,4.9\n")
+    a.write_text("time,a_cpu,b_cpu\n5,9,5\n6,8,5.1\n")
+    for method in ("baro", "nsigma", "sits"):
+        p = run("rca", "--normal", str(n), "--anomalous", str(a), "--method", method, "--json")
+        assert p.returncode == 0, p.stderr
+        ranking = json.loads(p.stdout)["ranking"]
+        assert ranking[0]["metric"] == "a_cpu"
+        assert set(ranking[0]) == {"metric", "score"}
+    p = run("rca", "--normal", str(n), "--anomalous", str(a), "--method", "magic")
+    assert p.returncode == 2 and "magic" in p.stderr
