@@ -162,7 +162,8 @@ def heuristic(d: Decomposition, f: Mapping[str, float]) -> dict[str, float]:
     if f["psi_mem_delta"] > 0.02 or (f["competitor_rss_gb"] >= MIN_RSS_GROWTH_GB
                                       and f["victim_majflt_log"] > 0.5):
         ex[C.HOST_MEMORY_PRESSURE] = max(ex[C.HOST_MEMORY_PRESSURE], 1.05 * ex[C.CPU_STARVATION])
-    if f["log_srtt"] > 0.5 and ex[C.NETWORK_DELAY] <= 0:
+    srtt_b, srtt_w = d.signals.get("srtt_ms", (0.0, 0.0))
+    if f["log_srtt"] > 0.5 and srtt_w - srtt_b > 1.0 and ex[C.NETWORK_DELAY] <= 0:
         ex[C.NETWORK_DELAY] = 0.1 * max(d.excess_ms, 0.0)  # RTT moved; server spans hide it
     rest = max(0.0, d.excess_ms - sum(ex.values()))
     # what no signal explains (mostly waiting for a slot behind slower requests): queueing

@@ -119,3 +119,50 @@ def test_cpu_competitor_in_the_servers_session_is_named(tmp_path: Path) -> None:
     assert 0 <= lag <= 2.0
     before = [v for v in rca.verdicts if v["window"]["end_unix_nano"] <= t_fault]
     assert len(before) <= 2, f"false alarms before the fault: {before}"
+
+
+@pytest.mark.parametrize(("cause", "link"), [("network_delay", {"delay_ms": 40.0}),
+                                             ("network_loss", {"loss": 0.08})])
+def test_network_fault_between_client_and_server_is_named(tmp_path: Path, cause: str,
+                                                          link: dict[str, float]) -> None:
+    """The load generator in a client netns, the server in the root netns, joined by
+    bench/faults' TUN relay; both traced. The client's verdict names the link's fault and the
+    server across it."""
+    sys.path.insert(0, str(BENCH.parents[1]))
+    from bench.faults.netns import Topology
+
+    control = tmp_path / "control.json"
+    control.write_text('{"rate_mult": 1.0, "mix": "normal"}')
+    with Topology(server_in_root=True, seed=3) as topo:
+        host, port, dep_port = topo.ip_of("server"), free_port(), free_port()
+        procs = [_spawn("dep", "--port", str(dep_port)),
+                 _spawn("serve", "--port", str(port), "--dep-port", str(dep_port),
+                        "--host", host)]
+        rca = None
+        try:
+            wait_port(dep_port)
+            time.sleep(1.0)
+            load = topo.popen("client", [sys.executable, str(BENCH), "load", "--port", str(port),
+                                         "--rate", "6", "--seed", "3", "--control", str(control),
+                                         "--host", host])
+            rca = _Rca("-p", str(procs[1].pid), "-p", str(load.pid), "--window", "2",
+                       "--duration", "70")
+            time.sleep(24)
+            t_fault = topo.set_link(**link)
+            time.sleep(12)
+            t_end = topo.set_link()
+            time.sleep(3)
+        finally:
+            if rca is not None:
+                rca.stop()
+            for p in procs:
+                p.terminate()
+                p.wait(5)
+    assert rca is not None
+    during = [v for v in rca.verdicts if v["kind"] == "CLIENT"
+              and v["window"]["end_unix_nano"] > t_fault
+              and v["window"]["start_unix_nano"] < t_end]
+    assert during, f"no client verdict during the fault; all: {rca.verdicts}"
+    top = during[0]["causes"][0]
+    assert top["cause"] == cause, json.dumps(during[0])
+    assert top["culprit"] == {"peer": host}, json.dumps(during[0])

@@ -134,3 +134,24 @@ def test_verdict_metrics_count_and_expire() -> None:
     now[0] += 21 * 10**9  # older than two windows: no current top cause, the count stays
     names = {s.name for s in m.samples()}
     assert names == {"sits_rca_verdicts_total"}
+
+
+def test_cpu_culprit_prefers_a_process_of_the_victims_session() -> None:
+    """Autogroup scheduling: a hog in another session barely competes; one in the server's
+    session does, even when it uses a little less CPU."""
+    from sits_trace.analyzers.rca import rank
+    from sits_trace.analyzers.rca.decompose import decompose
+    from sits_trace.analyzers.rca.spantable import empty_frame
+
+    V, F, N = 4190010, 4190020, 4190030  # no such processes: affinity unknown, shared
+    a = ProcSnapshot(0, {V: ("srv", 0.0, 1.0, 0.0, 0.0, V), F: ("far", 0.0, 1.0, 0.0, 0.0, F),
+                         N: ("near", 0.0, 1.0, 0.0, 0.0, V)})
+    b = ProcSnapshot(10**9, {V: ("srv", 0.3, 1.0, 0.0, 0.0, V),
+                             F: ("far", 0.9, 1.0, 0.0, 0.0, F),
+                             N: ("near", 0.7, 1.0, 0.0, 0.0, V)})
+    df = empty_frame()
+    ctx = rank.Context({V}, df, df, proc_win=delta(a, b), exclude_pids=set())
+    d = decompose(df, df, "duration_ms")
+    cul, ev = rank.explain("cpu_starvation", d, ctx, rank.features(d, ctx))
+    assert cul == {"pid": N, "name": "near"}
+    assert ev[-1].observed == pytest.approx(0.7)
