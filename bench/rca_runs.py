@@ -225,7 +225,7 @@ class Episode:
             # same session as the server (this runner's): autogroup makes them compete
             self.proc = subprocess.Popen(["stress-ng", "--cpu", str(n), "--timeout", "120"],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(0.5)
+            time.sleep(1.5)  # its workers are forked by then
             return {"pid": self.proc.pid, "name": "stress-ng", "pids": _tree(self.proc.pid)}
         if self.cause == "server_queueing":
             self.control.write_text(json.dumps({"rate_mult": self.intensity, "mix": "normal"}))
