@@ -319,15 +319,15 @@ def _rank_tables(normal: Path, anomalous: Path | None, method: str) -> None:
 
 @app.command()
 def rca(
-    pid: Annotated[Optional[list[int]], typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
-    port: Annotated[Optional[int], typer.Option("--port", help="only spans whose server port is this")] = None,
-    window: Annotated[Optional[float], typer.Option("--window", help="seconds per judged window (default rca.window_s, 10)")] = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", "-d", help="stop after this many seconds")] = None,
+    pid: Annotated[list[int] | None, typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="only spans whose server port is this")] = None,
+    window: Annotated[float | None, typer.Option("--window", help="seconds per judged window (default rca.window_s, 10)")] = None,
+    duration: Annotated[float | None, typer.Option("--duration", "-d", help="stop after this many seconds")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per verdict on stdout, nothing else")] = False,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file ([rca], [[slo]])")] = None,
-    from_file: Annotated[Optional[Path], typer.Option("--from", help="judge a recording (sits-trace record) instead of the kernel")] = None,
-    normal: Annotated[Optional[Path], typer.Option("--normal", help="metric table (CSV, first column time) of normal operation")] = None,
-    anomalous: Annotated[Optional[Path], typer.Option("--anomalous", help="metric table of the anomalous period")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file ([rca], [[slo]])")] = None,
+    from_file: Annotated[Path | None, typer.Option("--from", help="judge a recording (sits-trace record) instead of the kernel")] = None,
+    normal: Annotated[Path | None, typer.Option("--normal", help="metric table (CSV, first column time) of normal operation")] = None,
+    anomalous: Annotated[Path | None, typer.Option("--anomalous", help="metric table of the anomalous period")] = None,
     method: Annotated[str, typer.Option("--method", help="with --normal/--anomalous: sits, baro or nsigma")] = "sits",
 ) -> None:
     """Print a verdict whenever a service misses its SLO or degrades: the causes, ranked,
@@ -406,9 +406,9 @@ def _rca_replay(cfg: Any, path: Path, window: float | None, printer: Any) -> Non
 def record(
     out: Annotated[Path, typer.Option("--out", "-o", help="recording to write (gzip JSON lines)")],
     duration: Annotated[float, typer.Option("--duration", "-d", help="seconds to record")],
-    pid: Annotated[Optional[list[int]], typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
-    port: Annotated[Optional[int], typer.Option("--port", help="only spans whose server port is this")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file")] = None,
+    pid: Annotated[list[int] | None, typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="only spans whose server port is this")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
 ) -> None:
     """Record spans, per-process CPU/memory and the per-second feature frame for offline
     analysis (`sits-trace rca --from FILE`) and fixtures.

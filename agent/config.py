@@ -105,7 +105,7 @@ class RcaConfig:
     """Root-cause analysis (docs/rca.md); the objectives themselves are [[slo]] tables."""
 
     enabled: bool = False  # `sits-trace run`: judge windows and export verdicts
-    window_s: float = 10.0
+    window_s: float = 10.0  # seconds of spans judged together (one verdict per service and window)
     baseline_windows: int = 12  # normal windows a breach is compared with
     min_spans: int = 5  # a window with fewer spans of a service is not judged
     degradation_ratio: float = 1.5  # no SLO: p95 this many times the baseline's is a breach
