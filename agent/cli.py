@@ -1,4 +1,4 @@
-"""sits-trace command line (typer): trace, run, doctor, stats.
+"""sits-trace command line (typer): trace, run, doctor, stats, rca, record.
 
 Errors a user can cause end in one line on stderr and a non-zero exit.
 """
@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from sits_trace.agent.capture.probes import ProbeError
@@ -27,7 +27,7 @@ app = typer.Typer(
 )
 
 
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = 2) -> NoReturn:
     typer.echo(f"sits-trace: {msg}", err=True)
     raise typer.Exit(code)
 
@@ -285,6 +285,169 @@ def stats() -> None:
         _fail(f"no stats at {STATS_PATH}: is `sits-trace run` running?", 1)
 
 
+def _verdict_printer(as_json: bool) -> Any:
+    lock = threading.Lock()
+
+    def out(v: Any) -> None:
+        line = json.dumps(v.to_json(), separators=(",", ":")) if as_json else v.line()
+        with lock:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    return out
+
+
+def _rank_tables(normal: Path, anomalous: Path | None, method: str) -> None:
+    if anomalous is None:
+        _fail("--normal needs --anomalous (two metric tables, first column `time`)")
+    from sits_trace.analyzers import baselines  # noqa: PLC0415 - pandas only for this command
+    if method not in ("sits", "baro", "nsigma"):
+        _fail(f"--method {method!r} is not one of sits, baro, nsigma")
+    try:
+        ranking = baselines.rank_table(baselines.load_table(normal),
+                                       baselines.load_table(anomalous), method)
+    except (OSError, ValueError, KeyError) as exc:
+        _fail(f"cannot rank {normal} / {anomalous}: {exc}")
+    items = ranking.items() if isinstance(ranking, dict) else ranking
+    rows = [r if isinstance(r, dict) else {"metric": str(r[0]), "score": float(r[1])}
+            for r in items]
+    typer.echo(json.dumps({"ranking": rows}, separators=(",", ":")))
+
+
+@app.command()
+def rca(
+    pid: Annotated[list[int] | None, typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="only spans whose server port is this")] = None,
+    window: Annotated[float | None, typer.Option("--window", help="seconds per judged window (default rca.window_s, 10)")] = None,
+    duration: Annotated[float | None, typer.Option("--duration", "-d", help="stop after this many seconds")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per verdict on stdout, nothing else")] = False,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file ([rca], [[slo]])")] = None,
+    from_file: Annotated[Path | None, typer.Option("--from", help="judge a recording (sits-trace record) instead of the kernel")] = None,
+    normal: Annotated[Path | None, typer.Option("--normal", help="metric table (CSV, first column time) of normal operation")] = None,
+    anomalous: Annotated[Path | None, typer.Option("--anomalous", help="metric table of the anomalous period")] = None,
+    method: Annotated[str, typer.Option("--method", help="with --normal/--anomalous: sits, baro or nsigma")] = "sits",
+) -> None:
+    """Print a verdict whenever a service misses its SLO or degrades: the causes, ranked,
+    with culprit, evidence and the milliseconds each explains (docs/rca.md).
+
+    Examples:
+
+      sits-trace rca --json -p $(pgrep -of vllm) --window 10
+
+      sits-trace rca --from run.jsonl.gz --json
+
+      sits-trace rca --normal n.csv --anomalous a.csv --method baro --json
+    """
+    if normal is not None or anomalous is not None:
+        _rank_tables(normal or Path(), anomalous, method.lower())
+        return
+    try:
+        cfg = load_config(config, overrides={"trace.pids": pid or None, "trace.port": port})
+    except ConfigError as exc:
+        _fail(str(exc))
+    from sits_trace.analyzers.rca.setup import SetupError, build_engine  # noqa: PLC0415
+
+    printer = _verdict_printer(as_json)
+    if from_file is not None:
+        _rca_replay(cfg, from_file, window, printer)
+        return
+    from sits_trace.analyzers.rca.live import LiveRca  # noqa: PLC0415
+
+    from .daemon import Agent  # noqa: PLC0415
+
+    holder: list[Any] = []
+    try:
+        engine = build_engine(cfg.rca, cfg.slo, window_s=window,
+                              service_name=cfg.export.service_name,
+                              frame=lambda: holder[0].features.frame()
+                              if holder and holder[0].features is not None else None)
+    except SetupError as exc:
+        _fail(str(exc))
+    agent = Agent(cfg, engine.add)
+    holder.append(agent)
+    stop = threading.Event()
+    _install_stop(stop)
+    try:
+        agent.start()
+    except ProbeError as exc:
+        _fail(str(exc))
+    live = LiveRca(engine, [printer])
+    live.start()
+    typer.echo(f"sits-trace: judging {engine.s.window_s:g} s windows; Ctrl-C to stop", err=True)
+    agent.run(stop, duration)
+    live.stop()
+
+
+def _rca_replay(cfg: Any, path: Path, window: float | None, printer: Any) -> None:
+    from sits_trace.analyzers.rca.offline import frame_of, replay  # noqa: PLC0415
+    from sits_trace.analyzers.rca.recording import RecordingError, read  # noqa: PLC0415
+    from sits_trace.analyzers.rca.setup import SetupError, build_engine  # noqa: PLC0415
+
+    try:
+        rec = read(path)
+    except (OSError, RecordingError) as exc:
+        _fail(str(exc))
+    ts = [s.end_time_unix_nano for s in rec.spans] or [0]
+    try:
+        engine = build_engine(cfg.rca, cfg.slo, window_s=window,
+                              service_name=cfg.export.service_name, frame=frame_of(rec),
+                              clock_ns=lambda: min(ts),
+                              exclude_pids={int(rec.meta.get("agent_pid", 0))} - {0})
+    except SetupError as exc:
+        _fail(str(exc))
+    for v in replay(rec, engine):
+        printer(v)
+
+
+@app.command()
+def record(
+    out: Annotated[Path, typer.Option("--out", "-o", help="recording to write (gzip JSON lines)")],
+    duration: Annotated[float, typer.Option("--duration", "-d", help="seconds to record")],
+    pid: Annotated[list[int] | None, typer.Option("--pid", "-p", help="trace only this process and its children (repeatable)")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="only spans whose server port is this")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
+) -> None:
+    """Record spans, per-process CPU/memory and the per-second feature frame for offline
+    analysis (`sits-trace rca --from FILE`) and fixtures.
+
+    Examples:
+
+      sits-trace record --out run.jsonl.gz --duration 60 -p $(pgrep -of uvicorn)
+    """
+    try:
+        cfg = load_config(config, overrides={"trace.pids": pid or None, "trace.port": port})
+    except ConfigError as exc:
+        _fail(str(exc))
+    import time  # noqa: PLC0415
+
+    from sits_trace.analyzers.rca.live import RecordingLoop  # noqa: PLC0415
+    from sits_trace.analyzers.rca.recording import Writer  # noqa: PLC0415
+
+    from .daemon import Agent  # noqa: PLC0415
+
+    try:
+        writer = Writer(out, cfg.rca.window_s, time.time_ns(), os.getpid())
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror}")
+    agent = Agent(cfg, writer.span)
+    stop = threading.Event()
+    _install_stop(stop)
+    try:
+        agent.start()
+    except ProbeError as exc:
+        _fail(str(exc))
+
+    def row(t_ns: int) -> None:
+        if agent.features is not None:
+            writer.frame(t_ns, agent.features.latest())
+
+    loop = RecordingLoop(writer.procs, row)
+    loop.start()
+    typer.echo(f"sits-trace: recording to {out}; Ctrl-C to stop", err=True)
+    agent.run(stop, duration)
+    loop.stop()
+    writer.close()
+    typer.echo(f"sits-trace: {writer.spans} spans recorded", err=True)
 from .opscli import register as _register_ops  # noqa: E402 - top, config, install-service, after app exists
 
 _register_ops(app)

@@ -131,12 +131,31 @@ CONTROLLERS = ("verdict", "rule", "aimd", "static")
 
 
 @dataclass(slots=True)
+class RcaConfig:
+    """Root-cause analysis (docs/rca.md); the objectives themselves are [[slo]] tables."""
+
+    enabled: bool = False  # `sits-trace run`: judge windows and export verdicts
+    window_s: float = 10.0  # seconds of spans judged together (one verdict per service and window)
+    baseline_windows: int = 12  # normal windows a breach is compared with
+    min_spans: int = 5  # a window with fewer spans of a service is not judged
+    degradation_ratio: float = 1.5  # no SLO: p95 this many times the baseline's is a breach
+    min_increase_ms: float = 2.0  # ... and at least this much higher
+    model: str = ""  # "" is the shipped model (analyzers/rca/model_v1.json); "none": rules only
+
+
+# [[slo]] keys: service (required), route, error_rate, <metric>_p<NN> with metric one of these
+SLO_METRICS = ("duration_ms", "ttft_ms", "tbt_ms")
+
+
+@dataclass(slots=True)
 class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    rca: RcaConfig = field(default_factory=RcaConfig)
+    slo: list[dict[str, Any]] = field(default_factory=list)  # [[slo]] tables, checked below
 
     def validate(self) -> Config:
         t = self.trace
@@ -163,10 +182,39 @@ class Config:
         _range("api.window_s", self.api.window_s, 1, 3600)
         _range("api.slowest", self.api.slowest, 0, 100)
         _validate_control(self.control)
+        r = self.rca
+        _range("rca.window_s", r.window_s, 0.5, 3600)
+        _range("rca.baseline_windows", r.baseline_windows, 1, 1000)
+        _range("rca.min_spans", r.min_spans, 1, 100000)
+        _range("rca.degradation_ratio", r.degradation_ratio, 1.0, 100)
+        for i, entry in enumerate(self.slo):
+            _check_slo(f"slo[{i}]", entry)
         return self
 
 
-SECTIONS = ("trace", "export", "signals", "api", "control")
+def _check_slo(key: str, entry: Mapping[str, Any]) -> None:
+    if not isinstance(entry.get("service"), str) or not entry["service"]:
+        raise ConfigError(f"{key}.service: required (the service name, e.g. the executable)")
+    if "route" in entry and not str(entry["route"]).startswith("/"):
+        raise ConfigError(f"{key}.route: {entry['route']!r} must start with '/'")
+    objectives = 0
+    for k, v in entry.items():
+        if k in ("service", "route"):
+            continue
+        metric, _, pct = k.rpartition("_p")
+        ok = k == "error_rate" or (metric in SLO_METRICS and pct.replace(".", "", 1).isdigit()
+                                   and 0 < float(pct) < 100)
+        if not ok:
+            raise ConfigError(f"{key}.{k}: unknown objective (allowed: error_rate, "
+                              f"<{'|'.join(SLO_METRICS)}>_p<NN>, e.g. ttft_ms_p95)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"{key}.{k}: {v!r} is not a non-negative number")
+        objectives += 1
+    if not objectives:
+        raise ConfigError(f"{key}: no objective (e.g. duration_ms_p95 = 200)")
+
+
+SECTIONS = ("trace", "export", "signals", "api", "control", "rca")
 
 
 def _endpoint(key: str, url: str) -> None:
@@ -294,6 +342,10 @@ def load(path: str | Path | None = None, env: Mapping[str, str] | None = None,
                               "UTF-8") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
+        slos = data.pop("slo", [])
+        if not isinstance(slos, list) or not all(isinstance(e, dict) for e in slos):
+            raise ConfigError(f"{path}: slo must be [[slo]] tables")
+        cfg.slo = list(slos)
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: {section} must be a [section] table")

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sits_trace.agent.capture.events import Kind
 from sits_trace.agent.capture.loader import (
@@ -36,7 +37,7 @@ from sits_trace.agent.capture.probes import (
 from sits_trace.agent.capture.shedding import LoadShedder
 from sits_trace.agent.clock import realtime_offset_ns
 from sits_trace.agent.config import STATS_PATH, Config
-from sits_trace.agent.model import AgentStats, MetricSample
+from sits_trace.agent.model import AgentStats, MetricSample, Span
 from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.base import Signal
 from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_options
@@ -49,6 +50,11 @@ from sits_trace.analyzers.control.agent_hook import AgentControl
 from sits_trace.analyzers.features import FeatureFrame
 from sits_trace.exporters.control_log import otlp_action_log
 from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samples, metric_samples
+
+if TYPE_CHECKING:
+    from sits_trace.analyzers.rca.live import LiveRca
+    from sits_trace.analyzers.rca.metrics import VerdictMetrics
+    from sits_trace.analyzers.rca.verdict import Verdict
 
 # SIGTERM to exit: the ring is read for at most this long after the probes are detached;
 # exporters get STOP_FLUSH_S more (systemd's default TimeoutStopSec is 90 s; ours is 10)
@@ -90,6 +96,11 @@ class Agent:
         self.control = self._control() if cfg.control.enabled else None  # docs/control.md
         if self.control is not None:
             self.sink = self.control.tee(sink)
+        self.rca: LiveRca | None = None  # [rca] enabled: the live analysis (docs/rca.md)
+        self.rca_metrics: VerdictMetrics | None = None
+        self._rca_add: Callable[[Span], None] | None = None
+        if cfg.rca.enabled:
+            self._rca_setup()
 
     def _control(self) -> AgentControl:
         e = self.cfg.export
@@ -97,6 +108,36 @@ class Agent:
             if e.otlp_endpoint else []
         return AgentControl.build(self.cfg.control, proc_root=Path(self.procfs.root),
                                   on_action=sinks)
+
+    def _rca_setup(self) -> None:
+        """Spans also go to the RCA engine; verdicts become metrics (sits_rca_*) and, with the
+        control loop on, its input."""
+        # pandas and the model only when [rca] is on: `trace` and `run` without it never pay
+        from sits_trace.analyzers.rca.live import LiveRca  # noqa: PLC0415
+        from sits_trace.analyzers.rca.metrics import VerdictMetrics  # noqa: PLC0415
+        from sits_trace.analyzers.rca.setup import build_engine  # noqa: PLC0415
+
+        engine = build_engine(self.cfg.rca, self.cfg.slo, service_name=self.cfg.export.service_name,
+                              frame=lambda: self.features.frame() if self.features else None)
+        self.rca_metrics = VerdictMetrics(fresh_s=2 * engine.s.window_s)
+        sinks: list[Callable[[Verdict], None]] = [self.rca_metrics.observe]
+        if self.control is not None:  # verdicts drive the closed loop (docs/control.md)
+            pushed = self.control.pushed
+            sinks.append(lambda v: pushed.push(v.to_json()))
+        self.rca = LiveRca(engine, sinks)
+        self._rca_add = engine.add
+        self.sink = self._with_rca(self.sink)
+
+    def _with_rca(self, sink: SpanSink) -> SpanSink:
+        add = self._rca_add
+        if add is None:
+            return sink
+
+        def both(span: Span) -> None:
+            sink(span)
+            add(span)
+
+        return both
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []
@@ -147,6 +188,8 @@ class Agent:
         self.features = self._feature_frame(offset)
         if self.control is not None:
             self.control.start()
+        if self.rca is not None:
+            self.rca.start()
 
     def _feature_frame(self, offset: int) -> FeatureFrame | None:
         """The per-second frame of whatever signals this node has (GPU or not)."""
@@ -221,6 +264,7 @@ class Agent:
 
     def set_sink(self, sink: SpanSink) -> None:
         """Spans go to `sink` from the next one on (a reload's new exporters)."""
+        sink = self._with_rca(sink)
         self.sink = sink
         if self.tracer is not None:
             self.tracer.sink = sink
@@ -243,6 +287,8 @@ class Agent:
                 break
         self.drain_abandoned_bytes = self._ring.pending_bytes() if self._ring is not None else 0
         self.tracer.close_all()
+        if self.rca is not None:
+            self.rca.stop()
         if self.features is not None:
             self.features.stop()
         for s in self.signals:
@@ -291,6 +337,8 @@ class Agent:
             out.extend(counter_samples(self.node))
         if self.control is not None:
             out.extend(self.control.metric_samples())
+        if self.rca_metrics is not None:
+            out.extend(self.rca_metrics.samples())
         return out
 
     def _maybe_write_stats(self, force: bool = False) -> None:

@@ -93,6 +93,7 @@ def slo_overview() -> list[tuple[str, list[dict[str, Any]]]]:
             *[panel(f"P{int(q * 100)} latency by route",
                     [target(quantile(q, SRV, "http_route"), "{{http_route}}")], unit="s")
               for q in (0.5, 0.95, 0.99)]),
+        rca_row(),
         row("Routes",
             panel("Routes: rate, errors, P99 (click P99 for slow traces)", [
                 target(rate(SRV + "_count", SEL, "service_name, http_route"), format="table",
@@ -112,6 +113,22 @@ def slo_overview() -> list[tuple[str, list[dict[str, Any]]]]:
                   [target(quantile(0.99, CLI, "service_name, http_route"),
                           "{{service_name}} {{http_route}}")], unit="s", w=12)),
     ]
+
+
+def rca_row() -> tuple[str, list[dict[str, Any]]]:
+    """Beside the latency panels: why (docs/rca.md; `[rca] enabled = true` in `sits-trace run`)."""
+    sel = 'service=~"$service"'
+    return row("Root cause (sits-trace rca)",
+               panel("Top cause now (score, ms per request it explains)", [
+                   target(f"sits_rca_top_cause_score{{{sel}}}", format="table", instant=True),
+                   target(f"sits_rca_explained_ms{{{sel}}}", format="table", instant=True),
+               ], kind="table", w=12,
+                   desc="The top-ranked cause of each service's latest verdict (fresh for two "
+                        "windows)."),
+               panel("Verdicts by top cause", [
+                   target(f"sum by (service, cause) (increase(sits_rca_verdicts_total{{{sel}}}"
+                          f"[{W}]))", "{{service}} {{cause}}")], kind="timeseries", w=12,
+                   desc="SLO breaches or degradations, by the cause ranked first."))
 
 
 # Node signals (analyzers/features.py, exporters/node_metrics.py names: DCGM's for GPU state, sits_* for the rest). They sit in

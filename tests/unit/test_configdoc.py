@@ -28,7 +28,7 @@ def test_every_key_has_a_description() -> None:
 def test_defaults_toml_loads_back_to_the_defaults(tmp_path: Path) -> None:
     text = configdoc.defaults_toml()
     data = tomllib.loads(text)
-    assert set(data) == {"trace", "export", "signals", "api", "control"}
+    assert set(data) == {"trace", "export", "signals", "api", "control", "rca"}
     f = tmp_path / "c.toml"
     f.write_text(text)
     from sits_trace.agent.config import load

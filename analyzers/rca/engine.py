@@ -1,0 +1,204 @@
+"""The live analysis: spans in, verdicts out, one window at a time.
+
+    engine = RcaEngine(RcaSettings(window_s=10), slos)
+    engine.add(span)                  # the agent's span sink (cheap: one row per span)
+    engine.add_procs(sampler.snapshot())   # about once a second
+    for v in engine.advance(time.time_ns()): ...   # closes windows that ended grace_s ago
+
+A window is judged per service (its SERVER spans; a process with only CLIENT spans is judged
+on those) and per configured route: against its SLOs when it has any, else against its own
+recent normal windows. Windows without a breach become the baseline the next breach is
+decomposed against.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import rank
+from .decompose import decompose
+from .model import LinearModel, scores
+from .procs import ProcDelta, ProcSnapshot, delta
+from .slo import Breach, DegradationRule, Slo, degradation, slo_breaches, window_stats
+from .spantable import Row, empty_frame, service_of, span_row, to_frame
+from .verdict import Verdict
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from sits_trace.agent.model import Span
+
+_METRIC_OF = {"duration_ms": "duration_ms", "ttft_ms": "ttft_ms", "tbt_ms": "tbt_ms"}
+
+
+@dataclass(frozen=True, slots=True)
+class RcaSettings:
+    window_s: float = 10.0
+    baseline_windows: int = 12  # normal windows kept as the baseline
+    min_spans: int = 5  # fewer spans in a window: not judged
+    grace_s: float = 0.5  # wait this long after a window's end for its last spans
+    service_name: str = ""  # export.service_name: every span's service
+    rule: DegradationRule = field(default_factory=DegradationRule)
+
+
+@dataclass(slots=True)
+class _Group:
+    history: collections.deque[dict[str, float]]
+    frames: collections.deque[tuple[int, int, pd.DataFrame, pd.DataFrame]]  # (t0, t1, req, deps)
+
+
+class RcaEngine:
+    def __init__(self, settings: RcaSettings, slos: Sequence[Slo] = (), *,
+                 model: LinearModel | None = None,
+                 frame: Callable[[], pd.DataFrame | None] | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 exclude_pids: set[int] | None = None) -> None:
+        self.s = settings
+        self.slos = list(slos)
+        self.model = model
+        self._frame = frame
+        self._clock = clock_ns
+        self._exclude = exclude_pids
+        self._rows: list[Row] = []
+        self._lock = threading.Lock()
+        self._groups: dict[tuple[str, str | None, int], _Group] = {}
+        self._procs: collections.deque[ProcSnapshot] = collections.deque(
+            maxlen=int(settings.window_s * (settings.baseline_windows + 3)) + 10)
+        self._next_end: int | None = None
+        self.windows = 0
+
+    # ---- input ----
+
+    def add(self, span: Span) -> None:
+        row = span_row(span, service_of(span, self.s.service_name))
+        with self._lock:
+            self._rows.append(row)
+
+    def add_procs(self, snap: ProcSnapshot) -> None:
+        self._procs.append(snap)
+
+    # ---- windows ----
+
+    def advance(self, now_ns: int | None = None) -> list[Verdict]:
+        """Judge every window that ended at least grace_s before `now_ns`."""
+        now = self._clock() if now_ns is None else now_ns
+        w = int(self.s.window_s * 1e9)
+        if self._next_end is None:
+            self._next_end = (now // w + 1) * w
+        out: list[Verdict] = []
+        while self._next_end + self.s.grace_s * 1e9 <= now:
+            out.extend(self._close(self._next_end - w, self._next_end, now))
+            self._next_end += w
+        return out
+
+    def _take(self, end: int) -> pd.DataFrame:
+        with self._lock:
+            rows, keep = self._rows, []
+            self._rows = []
+        win = [r for r in rows if float(r[0]) < end] if rows else []
+        keep = [r for r in rows if float(r[0]) >= end] if rows else []
+        with self._lock:
+            self._rows = keep + self._rows
+        return to_frame(win) if win else empty_frame()
+
+    def _close(self, t0: int, t1: int, now: int) -> list[Verdict]:
+        df = self._take(t1)
+        df = df[df["end_ns"].to_numpy() >= t0]
+        self.windows += 1
+        out: list[Verdict] = []
+        if not len(df):
+            return out
+        client = df["client"].to_numpy() > 0
+        server_pids = set(df.loc[~client, "pid"].astype(int))
+        req_all = df[~client | ~df["pid"].isin(server_pids).to_numpy()]
+        for (svc, kind), g in req_all.groupby(["service", "client"], sort=False):
+            deps = df[client & df["pid"].isin(set(g["pid"].astype(int))).to_numpy()] \
+                if not kind else df.iloc[:0]
+            out.extend(self._judge(str(svc), None, int(kind), g, deps, t0, t1, now))
+            for slo in self.slos:
+                if slo.route is not None and slo.service == svc:
+                    sub = g[g["route"].to_numpy() == slo.route]
+                    out.extend(self._judge(str(svc), slo.route, int(kind), sub, deps, t0, t1, now))
+        return out
+
+    def _judge(self, svc: str, route: str | None, kind: int, g: pd.DataFrame, deps: pd.DataFrame,
+               t0: int, t1: int, now: int) -> list[Verdict]:
+        if len(g) < self.s.min_spans:
+            return []
+        key = (svc, route, kind)
+        grp = self._groups.get(key)
+        if grp is None:
+            grp = self._groups[key] = _Group(collections.deque(maxlen=max(30, self.s.baseline_windows)),
+                                             collections.deque(maxlen=self.s.baseline_windows))
+        slos = [s for s in self.slos if s.service == svc and s.route == route]
+        breaches = [b for s in slos for b in slo_breaches(g, s)]
+        if not slos:
+            breaches = degradation(g, grp.history, self.s.rule)
+        if not breaches:
+            grp.history.append(window_stats(g))
+            grp.frames.append((t0, t1, g, deps))
+            return []
+        worst = max(breaches, key=lambda b: b.observed / max(b.target, 1e-9))
+        return [self._verdict(svc, route, kind, worst, g, deps, grp, t0, t1, now)]
+
+    def _verdict(self, svc: str, route: str | None, kind: int, breach: object, g: pd.DataFrame,
+                 deps: pd.DataFrame, grp: _Group, t0: int, t1: int, now: int) -> Verdict:
+        import pandas as pd  # noqa: PLC0415 - the type is imported for checking only, above
+
+        assert isinstance(breach, Breach)
+        metric = breach.objective.removeprefix("degradation:").rsplit("_p", 1)[0]
+        metric = _METRIC_OF.get(metric, "duration_ms")
+        if metric != "duration_ms" and g[metric].isna().all():
+            metric = "duration_ms"
+        base = pd.concat([f[2] for f in grp.frames]) if grp.frames else g.iloc[:0]
+        bdeps = pd.concat([f[3] for f in grp.frames]) if grp.frames else deps.iloc[:0]
+        b0, b1 = (grp.frames[0][0], grp.frames[-1][1]) if grp.frames else (t0, t0)
+        # the window's processes up to the newest snapshot (taken after the window closed):
+        # a competitor that started late in the window shows with its full rate
+        pw, pb = self._proc_delta(t0, max(t1, now)), self._proc_delta(b0, b1)
+        psi = (pb.psi.get("memory_some", 0.0) if pb else 0.0,
+               pw.psi.get("memory_some", 0.0) if pw else 0.0)
+        nb = max(len(grp.frames), 1)
+        d = decompose(g, base, metric, deps_win=deps, deps_base=bdeps,
+                      win_s=(t1 - t0) / 1e9, base_s=nb * (t1 - t0) / 1e9, psi_mem=psi)
+        ctx = rank.Context(set(g["pid"].astype(int)), g, base, deps, bdeps, pw, pb,
+                           *self._frames(t0, t1, b0, b1))
+        if self._exclude is not None:
+            ctx.exclude_pids = self._exclude
+        f = rank.features(d, ctx)
+        rules = rank.heuristic(d, f)
+        f.update({k: rules.get(k[2:], 0.0) for k in rank.RULE_FEATURES})
+        causes = rank.ranked(d, ctx, scores(self.model, f, rules))
+        return Verdict(now, svc, route, breach, causes, t0, t1,
+                       "CLIENT" if kind else "SERVER", f)
+
+    def _proc_delta(self, t0: int, t1: int) -> ProcDelta | None:
+        if len(self._procs) < 2 or t1 <= t0:
+            return None
+        ts = [p.t_ns for p in self._procs]
+        a, b = self._procs[_nearest(ts, t0)], self._procs[_nearest(ts, t1)]
+        return delta(a, b) if b.t_ns > a.t_ns else None
+
+    def _frames(self, t0: int, t1: int, b0: int, b1: int
+                ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+        fr = self._frame() if self._frame is not None else None
+        if fr is None or not len(fr):
+            return None, None
+        t = fr.index.asi8 if hasattr(fr.index, "asi8") else np.asarray(fr.index)
+        return fr[(t >= t0) & (t < t1)], fr[(t >= b0) & (t < b1)]
+
+
+def _nearest(ts: list[int], t: int) -> int:
+    i = bisect.bisect_left(ts, t)
+    if i == 0:
+        return 0
+    if i >= len(ts):
+        return len(ts) - 1
+    return i if ts[i] - t < t - ts[i - 1] else i - 1

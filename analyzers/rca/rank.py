@@ -1,0 +1,272 @@
+"""From a decomposition and the node's per-process numbers to ranked causes with culprits.
+
+`features()` is the fixed-length description of a breach the model reads; `heuristic()` is the
+rule-based ranking (used alone when no model is loaded, and for causes the model never saw);
+`culprits()` names who did it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import causes as C
+from .decompose import Decomposition
+from .procs import ProcDelta, shares_cpus
+from .verdict import CauseScore, Culprit, Evidence
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+FEATURES: tuple[str, ...] = (
+    "frac_cpu", "frac_loss", "frac_delay", "frac_copy", "frac_sync", "frac_dep", "frac_mix",
+    "frac_mem", "frac_rest", "log_rate", "log_inflight", "log_srtt", "retrans_delta",
+    "log_chunks", "log_req_bytes", "competitor_cpu", "victim_cpu_delta", "competitor_rss_gb",
+    "psi_cpu_delta", "psi_mem_delta", "victim_majflt_log", "error_delta", "log_excess",
+    "session_competitor_cpu",
+)
+# the rules' shares (heuristic()) are features too: the model learns when to trust them
+RULE_FEATURES: tuple[str, ...] = tuple(f"h_{c}" for c in C.VOCABULARY)
+MODEL_FEATURES: tuple[str, ...] = FEATURES + RULE_FEATURES
+_FRAC = {"frac_cpu": C.CPU_STARVATION, "frac_loss": C.NETWORK_LOSS,
+         "frac_delay": C.NETWORK_DELAY, "frac_copy": C.PCIE_CONTENTION,
+         "frac_sync": C.GPU_COMPUTE_CONTENTION, "frac_dep": C.SLOW_DEPENDENCY,
+         "frac_mix": C.REQUEST_MIX_SHIFT, "frac_mem": C.HOST_MEMORY_PRESSURE}
+MIN_COMPETITOR_CORES = 0.1
+MIN_RSS_GROWTH_GB = 0.2
+
+
+@dataclass(slots=True)
+class Context:
+    """What the ranking knows beside the decomposition."""
+
+    victim_pids: set[int]
+    win: pd.DataFrame
+    base: pd.DataFrame
+    deps_win: pd.DataFrame | None = None
+    deps_base: pd.DataFrame | None = None
+    proc_win: ProcDelta | None = None
+    proc_base: ProcDelta | None = None
+    frame_win: pd.DataFrame | None = None  # feature-frame rows of the window (GPU culprits)
+    frame_base: pd.DataFrame | None = None
+    exclude_pids: set[int] = field(default_factory=lambda: {os.getpid()})
+
+
+def _lr(pair: tuple[float, float]) -> float:
+    b, w = pair
+    return math.log((w + 1e-6) / (b + 1e-6)) if b > 0 or w > 0 else 0.0
+
+
+def competitors(ctx: Context) -> list[tuple[int, str, float, float]]:
+    """(pid, comm, baseline cores, window cores) of processes other than the victim whose CPU
+    use rose, most first."""
+    pw, pb = ctx.proc_win, ctx.proc_base
+    if pw is None:
+        return []
+    skip = ctx.victim_pids | ctx.exclude_pids | {0}
+    base = pb.cpu_cores if pb is not None else {}
+    rows = [(p, pw.comm.get(p, ""), base.get(p, 0.0), c) for p, c in pw.cpu_cores.items()
+            if p not in skip and c - base.get(p, 0.0) > 0.01]
+    return sorted(rows, key=lambda r: r[2] - r[3])
+
+
+def _cpu_culprit(ctx: Context) -> tuple[Culprit | None, float, list[Evidence]]:
+    victim = min(ctx.victim_pids) if ctx.victim_pids else 0
+    sess = ctx.proc_win.session if ctx.proc_win is not None else {}
+    mine = {sess.get(p, 0) for p in ctx.victim_pids} - {0}
+    # autogroup scheduling: a process of the victim's session competes with it directly, one
+    # of another session only as a whole group; the same session first, then the largest rise
+    cands = sorted(competitors(ctx)[:8], key=lambda r: (sess.get(r[0], -1) not in mine,
+                                                         r[2] - r[3]))
+    for pid, comm, b, w in cands:
+        if victim and not shares_cpus(pid, victim):
+            continue
+        ev = [Evidence(f"process_cpu_cores{{pid={pid},name={comm}}}", b, w)]
+        return {"pid": pid, "name": comm}, w - b, ev
+    return None, 0.0, []
+
+
+def _rss_culprit(ctx: Context) -> tuple[Culprit | None, float, list[Evidence]]:
+    pw, pb = ctx.proc_win, ctx.proc_base
+    if pw is None:
+        return None, 0.0, []
+    base = pb.rss_mb if pb is not None else {}
+    skip = ctx.victim_pids | ctx.exclude_pids
+    best = max(((p, r - base.get(p, r - pw.rss_growth_mb.get(p, 0.0))) for p, r in
+                pw.rss_mb.items() if p not in skip), key=lambda x: x[1], default=None)
+    if best is None or best[1] <= 0:
+        return None, 0.0, []
+    p, g = best
+    ev = [Evidence(f"process_rss_mb{{pid={p},name={pw.comm.get(p, '')}}}",
+                   pw.rss_mb[p] - g, pw.rss_mb[p])]
+    return {"pid": p, "name": pw.comm.get(p, "")}, g / 1024, ev
+
+
+def _victim(ctx: Context, attr: str) -> tuple[float, float]:
+    pw, pb = ctx.proc_win, ctx.proc_base
+    w = sum(getattr(pw, attr).get(p, 0.0) for p in ctx.victim_pids) if pw else 0.0
+    b = sum(getattr(pb, attr).get(p, 0.0) for p in ctx.victim_pids) if pb else 0.0
+    return b, w
+
+
+def _psi(ctx: Context, key: str) -> tuple[float, float]:
+    b = ctx.proc_base.psi.get(key, 0.0) if ctx.proc_base else 0.0
+    w = ctx.proc_win.psi.get(key, 0.0) if ctx.proc_win else 0.0
+    return b, w
+
+
+def features(d: Decomposition, ctx: Context) -> dict[str, float]:
+    scale = max(abs(d.excess_ms), 1e-3)
+    f = {k: float(np.clip(d.explained_ms.get(c, 0.0) / scale, -2, 2)) for k, c in _FRAC.items()}
+    pos = sum(max(0.0, f[k]) for k in _FRAC)
+    f["frac_rest"] = float(np.clip(1.0 - pos, -2, 1))
+    s = d.signals
+    f["log_rate"] = _lr(s["requests_per_s"])
+    f["log_inflight"] = _lr(s["in_flight"])
+    f["log_srtt"] = _lr(s["srtt_ms"])
+    f["retrans_delta"] = s["retransmits_per_request"][1] - s["retransmits_per_request"][0]
+    f["log_chunks"] = _lr(s["chunks"])
+    f["log_req_bytes"] = _lr(s["req_bytes"])
+    comp = competitors(ctx)
+    f["competitor_cpu"] = comp[0][3] - comp[0][2] if comp else 0.0
+    sess = ctx.proc_win.session if ctx.proc_win is not None else {}
+    mine = {sess.get(p, 0) for p in ctx.victim_pids} - {0}
+    f["session_competitor_cpu"] = sum(w - b for p, _, b, w in comp if sess.get(p, -1) in mine)
+    vb, vw = _victim(ctx, "cpu_cores")
+    f["victim_cpu_delta"] = vw - vb
+    f["competitor_rss_gb"] = _rss_culprit(ctx)[1]
+    pc, pm = _psi(ctx, "cpu_some"), _psi(ctx, "memory_some")
+    f["psi_cpu_delta"], f["psi_mem_delta"] = pc[1] - pc[0], pm[1] - pm[0]
+    mb, mw = _victim(ctx, "majflt_per_s")
+    f["victim_majflt_log"] = math.log1p(mw) - math.log1p(mb)
+    f["error_delta"] = s["error"][1] - s["error"][0]
+    f["log_excess"] = _lr((d.baseline_ms, d.observed_ms))
+    return f
+
+
+def heuristic(d: Decomposition, f: Mapping[str, float]) -> dict[str, float]:
+    """Rule-based scores in 0..1: each cause's share of the increase, with the rules that
+    split the run-queue wait between a competitor and the server's own load."""
+    ex = {c: max(0.0, d.explained_ms.get(c, 0.0)) for c in C.VOCABULARY}
+    bigger = max(f["log_chunks"], f["log_req_bytes"]) > 0.1
+    # more arrivals than the baseline's, or more requests in flight with no bigger requests
+    queued = f["log_rate"] > 0.15 or (f["log_inflight"] > 0.4 and not bigger)
+    if f["competitor_cpu"] < MIN_COMPETITOR_CORES and queued:
+        ex[C.SERVER_QUEUEING] += ex.pop(C.CPU_STARVATION)
+        ex[C.CPU_STARVATION] = 0.0
+    if f["psi_mem_delta"] > 0.02 or (f["competitor_rss_gb"] >= MIN_RSS_GROWTH_GB
+                                      and f["victim_majflt_log"] > 0.5):
+        ex[C.HOST_MEMORY_PRESSURE] = max(ex[C.HOST_MEMORY_PRESSURE], 1.05 * ex[C.CPU_STARVATION])
+    srtt_b, srtt_w = d.signals.get("srtt_ms", (0.0, 0.0))
+    if f["log_srtt"] > 0.5 and srtt_w - srtt_b > 1.0 and ex[C.NETWORK_DELAY] <= 0:
+        ex[C.NETWORK_DELAY] = 0.1 * max(d.excess_ms, 0.0)  # RTT moved; server spans hide it
+    rest = max(0.0, d.excess_ms - sum(ex.values()))
+    # what no signal explains (mostly waiting for a slot behind slower requests): queueing
+    # when arrivals rose; the CPU when a process of the server's own session took it; bigger
+    # requests when sizes grew; queueing when only the requests in flight grew; else unknown
+    if f["log_rate"] > 0.15:
+        ex[C.SERVER_QUEUEING] += rest
+    elif f["session_competitor_cpu"] >= MIN_COMPETITOR_CORES and ex[C.CPU_STARVATION] > 0:
+        ex[C.CPU_STARVATION] += rest
+    elif bigger:
+        ex[C.REQUEST_MIX_SHIFT] += rest
+    else:
+        ex[C.SERVER_QUEUEING if queued else C.UNKNOWN] += rest
+    total = max(sum(ex.values()), 1e-9)
+    return {c: v / total for c, v in ex.items() if v > 0}
+
+
+def _peer_culprit(win: pd.DataFrame, col: str, key: str) -> Culprit | None:
+    if not len(win):
+        return None
+    g = win.groupby(key)[col].sum() if col == "retrans" else win.groupby(key)[col].mean()
+    g = g[g.index != ""]
+    if g.empty or float(g.max()) <= 0:
+        return None
+    return {"peer": str(g.idxmax())}
+
+
+def _dep_culprit(ctx: Context) -> Culprit | None:
+    dw, db = ctx.deps_win, ctx.deps_base
+    if dw is None or not len(dw):
+        return None
+    w = dw.groupby("server")["dur_ms"].mean()
+    b = db.groupby("server")["dur_ms"].mean() if db is not None and len(db) else w * 0
+    rise = (w - b.reindex(w.index).fillna(0.0)).sort_values(ascending=False)
+    return {"peer": str(rise.index[0])} if len(rise) and rise.iloc[0] > 0 else None
+
+
+def _gpu_pid_culprit(ctx: Context, signal: str) -> Culprit | None:
+    fw, fb = ctx.frame_win, ctx.frame_base
+    if fw is None or signal not in fw.columns.get_level_values(0):
+        return None
+    w = fw[signal].mean()
+    b = fb[signal].mean().reindex(w.index).fillna(0.0) if fb is not None and signal in \
+        fb.columns.get_level_values(0) else w * 0
+    rise = (w - b)[[e.startswith("pid") and int(e[3:]) not in ctx.victim_pids for e in w.index]]
+    if rise.empty or float(rise.max()) <= 0:
+        return None
+    return {"pid": int(str(rise.idxmax())[3:]), "name": _comm(int(str(rise.idxmax())[3:]))}
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _gpu_index(win: pd.DataFrame) -> Culprit | None:
+    g = win["gpu_index"].dropna()
+    return {"gpu": int(g.mode().iloc[0])} if len(g) else None
+
+
+def _ev(d: Decomposition, *names: str) -> list[Evidence]:
+    return [Evidence(n, *d.signals[n]) for n in names if n in d.signals]
+
+
+def explain(cause: str, d: Decomposition, ctx: Context,
+            f: Mapping[str, float]) -> tuple[Culprit | None, list[Evidence]]:
+    """The culprit and evidence of one cause."""
+    if cause == C.CPU_STARVATION:
+        cul, _, ev = _cpu_culprit(ctx)
+        return cul, _ev(d, "runq_ms") + ev
+    if cause == C.HOST_MEMORY_PRESSURE:
+        cul, _, ev = _rss_culprit(ctx)
+        return cul, _ev(d, "psi_memory_some") + ev
+    if cause == C.NETWORK_LOSS:
+        return _peer_culprit(ctx.win, "retrans", "peer"), _ev(d, "retransmits_per_request")
+    if cause == C.NETWORK_DELAY:
+        return _peer_culprit(ctx.win, "srtt_ms", "peer"), _ev(d, "srtt_ms")
+    if cause == C.SLOW_DEPENDENCY:
+        return _dep_culprit(ctx), _ev(d, "dependency_ms_per_request")
+    if cause == C.PCIE_CONTENTION:
+        return _gpu_pid_culprit(ctx, "cuda_h2d_bytes_per_s"), _ev(d, "cuda_copy_ms")
+    if cause == C.GPU_COMPUTE_CONTENTION:
+        return _gpu_pid_culprit(ctx, "cuda_kernel_launches_per_s"), _ev(d, "cuda_sync_ms")
+    if cause in (C.GPU_THROTTLING, C.GPU_MEMORY_PRESSURE):
+        return _gpu_index(ctx.win), _ev(d, "gpu_sm_clock_mhz", "cuda_sync_ms")
+    if cause == C.REQUEST_MIX_SHIFT:
+        return None, _ev(d, "chunks", "req_bytes", "resp_bytes")
+    if cause == C.SERVER_QUEUEING:
+        return None, _ev(d, "requests_per_s", "in_flight", "runq_ms")
+    return None, _ev(d, "requests_per_s")
+
+
+def ranked(d: Decomposition, ctx: Context, scores: Mapping[str, float],
+           top_n: int = 5) -> list[CauseScore]:
+    out: list[CauseScore] = []
+    f = features(d, ctx)
+    for cause, score in sorted(scores.items(), key=lambda kv: -kv[1])[:top_n]:
+        cul, ev = explain(cause, d, ctx, f)
+        ex = d.explained_ms.get(cause, 0.0)
+        if cause in (C.SERVER_QUEUEING, C.UNKNOWN) and ex == 0.0:
+            ex = max(0.0, d.excess_ms - sum(max(0.0, v) for v in d.explained_ms.values()))
+        out.append(CauseScore(cause, float(score), cul, ev, float(ex)))
+    return out or [CauseScore(C.UNKNOWN, 1.0, None, [], max(0.0, d.excess_ms))]

@@ -1,0 +1,170 @@
+"""The RCA engine on synthetic span streams: detection, decomposition, culprits, the verdict's
+JSON form. No root, no kernel: spans and /proc snapshots are built here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from sits_trace.agent.model import Span
+from sits_trace.analyzers.rca import VOCABULARY, RcaEngine, RcaSettings, parse_slos
+from sits_trace.analyzers.rca.procs import ProcSnapshot
+from sits_trace.analyzers.rca.verdict import Verdict
+
+T0 = 1_700_000_000_000_000_000
+SEC = 1_000_000_000
+VICTIM, OTHER, HOG = 100, 200, 300
+
+Attrs = Callable[[np.random.Generator, bool], dict[str, float | str]]
+
+
+def _span(start: int, dur_ms: float, attrs: dict[str, float | str], kind: str = "SERVER",
+          error: bool = False) -> Span:
+    a: dict[str, str | bool | int | float] = {"process.pid": VICTIM,
+                                              "process.executable.name": "srv",
+                                              "url.path": "/v1/completions",
+                                              "network.peer.address": "10.0.0.9"}
+    a.update(attrs)
+    return Span("a" * 32, "b" * 16, None, "POST", kind, start, start + int(dur_ms * 1e6), a,
+                "ERROR" if error else "UNSET")
+
+
+def _run(extra: Attrs, *, seconds: int = 40, fault_at: int = 30, rate: int = 40,
+         hog_cores: float = 0.0, slos: list[dict[str, object]] | None = None,
+         deps: bool = False, dep_ms: Callable[[bool], float] | None = None) -> list[Verdict]:
+    """A server answering `rate` requests a second in ~5 ms; from `fault_at` the fault: `extra`
+    adds attributes (and its own latency via "dur_ms")."""
+    rng = np.random.default_rng(7)
+    eng = RcaEngine(RcaSettings(window_s=2), parse_slos(slos or []), model=None,
+                    exclude_pids=set())
+    cpu = {VICTIM: 0.0, OTHER: 0.0, HOG: 0.0}
+    out: list[Verdict] = []
+    for sec in range(seconds):
+        fault = sec >= fault_at
+        spans = []
+        for i in range(rate):
+            start = T0 + sec * SEC + i * (SEC // rate)
+            a = extra(rng, fault)
+            dur = 5.0 + float(rng.uniform(0, 1)) + float(a.pop("dur_ms", 0.0))
+            spans.append(_span(start, dur, a))
+            if deps and dep_ms is not None:
+                d = dep_ms(fault)
+                spans.append(_span(start + 100_000, d, {"server.address": "10.0.0.50",
+                                                        "server.port": 9000}, kind="CLIENT"))
+        for s in spans:
+            out += eng.advance(s.end_time_unix_nano)
+            eng.add(s)
+        cpu[VICTIM] += 0.3
+        cpu[OTHER] += 0.05
+        cpu[HOG] += hog_cores if fault else 0.01
+        eng.add_procs(ProcSnapshot(T0 + (sec + 1) * SEC,
+                                   {p: (f"p{p}", c, 50.0, 0.0, 0.0, p) for p, c in cpu.items()}))
+    out += eng.advance(T0 + (seconds + 5) * SEC)
+    return out
+
+
+def _quiet(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+    return {"sits.cpu.runq_delay_us": float(rng.uniform(0, 100))}
+
+
+def test_no_fault_no_verdict() -> None:
+    assert _run(_quiet) == []
+
+
+def test_cpu_competitor_is_top_cause_with_culprit() -> None:
+    def runq(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        us = float(rng.uniform(8000, 12000)) if fault else float(rng.uniform(0, 100))
+        return {"sits.cpu.runq_delay_us": us, "dur_ms": us / 1000}
+
+    vs = _run(runq, hog_cores=1.6)
+    assert vs, "a 10 ms run-queue wait on 5 ms requests must be detected"
+    top = vs[0].causes[0]
+    assert top.cause == "cpu_starvation"
+    assert top.culprit == {"pid": HOG, "name": f"p{HOG}"}
+    assert 8.0 < top.explained_ms < 12.0
+    assert any(e.signal == "runq_ms" and e.observed > 8 for e in top.evidence)
+
+
+def test_runq_without_competitor_but_more_arrivals_is_queueing() -> None:
+    eng_rate = 40
+
+    def runq(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        us = float(rng.uniform(8000, 12000)) if fault else float(rng.uniform(0, 100))
+        return {"sits.cpu.runq_delay_us": us, "dur_ms": us / 1000}
+
+    vs = _run(runq, rate=eng_rate)
+    assert vs and vs[0].causes[0].cause == "cpu_starvation"  # no arrival rise: still the CPU
+    assert vs[0].causes[0].culprit is None  # ... but nobody to blame
+
+
+def test_retransmits_name_network_loss_and_peer() -> None:
+    def loss(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        r = int(rng.random() < 0.3) if fault else 0
+        return {"sits.tcp.retransmits": r, "sits.tcp.srtt_us": 100, "dur_ms": 200.0 * r,
+                "network.peer.address": "10.0.0.7" if r else "10.0.0.9"}
+
+    vs = _run(loss)
+    assert vs and vs[0].causes[0].cause == "network_loss"
+    assert vs[0].causes[0].culprit == {"peer": "10.0.0.7"}
+
+
+def test_slow_outgoing_calls_name_slow_dependency() -> None:
+    def dep(fault: bool) -> float:
+        return 30.0 if fault else 1.0
+
+    def slow(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        return {"dur_ms": 29.0 if fault else 0.0}
+
+    vs = _run(slow, deps=True, dep_ms=dep)
+    assert vs and vs[0].causes[0].cause == "slow_dependency"
+    assert vs[0].causes[0].culprit == {"peer": "10.0.0.50:9000"}
+    assert vs[0].causes[0].explained_ms == pytest.approx(29.0, abs=1.0)
+
+
+def test_longer_outputs_name_request_mix_shift() -> None:
+    def mix(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        chunks = int(rng.integers(20, 40) if fault else rng.integers(2, 10))
+        return {"sits.stream.chunks": chunks, "dur_ms": 2.0 * chunks}
+
+    vs = _run(mix)
+    assert vs and vs[0].causes[0].cause == "request_mix_shift"
+
+
+def test_slo_breach_names_objective_and_target() -> None:
+    def slow(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        return {"dur_ms": 50.0 if fault else 0.0}
+
+    vs = _run(slow, slos=[{"service": "srv", "duration_ms_p95": 20.0}])
+    assert vs
+    b = vs[0].breach
+    assert b.objective == "duration_ms_p95" and b.target == 20.0 and b.observed > 50
+
+
+def test_verdict_json_has_the_documented_keys_and_vocabulary() -> None:
+    def runq(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        us = 10000.0 if fault else 50.0
+        return {"sits.cpu.runq_delay_us": us, "dur_ms": us / 1000}
+
+    vs = _run(runq, hog_cores=1.5)
+    d = json.loads(json.dumps(vs[0].to_json()))
+    assert {"time_unix_nano", "service", "route", "breach", "causes"} <= set(d)
+    assert d["service"] == "srv" and d["route"] is None
+    assert {"objective", "observed", "target"} <= set(d["breach"])
+    for c in d["causes"]:
+        assert set(c) == {"cause", "score", "culprit", "evidence", "explained_ms"}
+        assert c["cause"] in VOCABULARY
+        for e in c["evidence"]:
+            assert set(e) == {"signal", "baseline", "observed"}
+
+
+def test_verdict_comes_within_a_grace_of_the_window_end() -> None:
+    def runq(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        us = 10000.0 if fault else 50.0
+        return {"sits.cpu.runq_delay_us": us, "dur_ms": us / 1000}
+
+    vs = _run(runq, hog_cores=1.5)
+    lag = (vs[0].time_unix_nano - vs[0].window_end_unix_nano) / 1e9
+    assert 0 <= lag <= 2.0
+    assert vs[0].window_start_unix_nano <= T0 + 30 * SEC < vs[0].window_end_unix_nano + 2 * SEC

@@ -1,0 +1,157 @@
+"""RCA building blocks: /proc parsing, SLO parsing and config checks, recordings, the model."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sits_trace.agent.config import ConfigError, load
+from sits_trace.agent.model import Span
+from sits_trace.analyzers.rca.model import LinearModel, scores, train
+from sits_trace.analyzers.rca.procs import ProcSampler, ProcSnapshot, delta, parse_psi, parse_stat
+from sits_trace.analyzers.rca.recording import RecordingError, Writer, read
+from sits_trace.analyzers.rca.slo import parse_objective, parse_slos
+
+STAT = ("4242 (stress ng (cpu)) R 1 4242 4200 0 -1 4194304 1500 0 7 0 250 50 0 0 20 0 1 0 "
+        "100 1000000 2560 18446744073709551615 0 0 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0")
+
+
+def test_parse_stat_reads_comm_with_spaces_and_fields() -> None:
+    got = parse_stat(STAT)
+    assert got is not None
+    comm, cpu, rss_mb, majflt, minflt, session = got
+    assert comm == "stress ng (cpu)"
+    assert cpu == pytest.approx(300 / 100)  # utime + stime ticks at 100 Hz
+    assert rss_mb == pytest.approx(2560 * 4096 / 2**20)
+    assert (majflt, minflt, session) == (7.0, 1500.0, 4200)
+    assert parse_stat("garbage") is None
+
+
+def test_parse_psi_total() -> None:
+    text = "some avg10=1.00 avg60=0.50 avg300=0.10 total=2500000\nfull avg10=0 total=10\n"
+    assert parse_psi(text) == 2.5
+
+
+def test_sampler_on_a_fake_proc_tree(tmp_path: Path) -> None:
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "stat").write_text(STAT)
+    (tmp_path / "self").mkdir()
+    (tmp_path / "pressure").mkdir()
+    (tmp_path / "pressure" / "memory").write_text("some avg10=0 total=1000000\n")
+    snap = ProcSampler(str(tmp_path), clock_ns=lambda: 5).snapshot()
+    assert list(snap.procs) == [4242] and snap.t_ns == 5
+    assert snap.psi == {"memory_some": 1.0}
+
+
+def test_delta_is_per_second_and_new_processes_count_from_zero() -> None:
+    a = ProcSnapshot(0, {1: ("a", 10.0, 100.0, 0.0, 0.0, 1)}, {"memory_some": 1.0})
+    b = ProcSnapshot(2_000_000_000, {1: ("a", 11.0, 300.0, 4.0, 0.0, 1),
+                                     2: ("b", 3.0, 50.0, 0.0, 0.0, 2)}, {"memory_some": 1.5})
+    d = delta(a, b)
+    assert d.cpu_cores == {1: 0.5, 2: 1.5}
+    assert d.rss_growth_mb[1] == 200.0 and d.majflt_per_s[1] == 2.0
+    assert d.psi["memory_some"] == pytest.approx(0.25)
+    assert d.session == {1: 1, 2: 2}
+
+
+def test_objectives_parse() -> None:
+    o = parse_objective("ttft_ms_p95", 500)
+    assert o is not None and (o.metric, o.percentile, o.target) == ("ttft_ms", 95.0, 500.0)
+    assert parse_objective("latency_p95", 1) is None
+    slo = parse_slos([{"service": "llm", "route": "/v1/chat", "error_rate": 0.01,
+                       "duration_ms_p99": 3000}])[0]
+    assert slo.route == "/v1/chat" and {x.name for x in slo.objectives} == {"error_rate",
+                                                                            "duration_ms_p99"}
+
+
+def test_config_slo_tables_and_errors(tmp_path: Path) -> None:
+    ok = tmp_path / "ok.toml"
+    ok.write_text('[rca]\nwindow_s = 5\n[[slo]]\nservice = "llm"\nttft_ms_p95 = 400\n')
+    cfg = load(ok, env={})
+    assert cfg.rca.window_s == 5 and cfg.slo == [{"service": "llm", "ttft_ms_p95": 400}]
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[slo]]\nservice = "llm"\nlatency_p95 = 400\n')
+    with pytest.raises(ConfigError, match=r"slo\[0\].latency_p95"):
+        load(bad, env={})
+    none = tmp_path / "none.toml"
+    none.write_text('[[slo]]\nservice = "llm"\n')
+    with pytest.raises(ConfigError, match="no objective"):
+        load(none, env={})
+
+
+def test_recording_round_trip_and_appended_labels(tmp_path: Path) -> None:
+    p = tmp_path / "r.jsonl.gz"
+    w = Writer(p, 5.0, 1, agent_pid=77)
+    w.span(Span("a" * 32, "b" * 16, None, "GET", "SERVER", 10, 20, {"process.pid": 3}))
+    w.procs(ProcSnapshot(15, {3: ("srv", 1.0, 2.0, 0.0, 0.0, 3)}, {"cpu_some": 0.5}))
+    w.frame(15, {("cpu_runq_delay_s_per_s", "pid3"): 0.25})
+    w.close()
+    with gzip.open(p, "at") as f:  # the fault runner appends labels as a second member
+        f.write(json.dumps({"type": "label", "cause": "cpu_starvation"}) + "\n")
+    r = read(p)
+    assert r.meta["agent_pid"] == 77 and r.spans[0].attributes == {"process.pid": 3}
+    assert r.procs[0].procs[3][0] == "srv" and r.frames[0][1] == {
+        ("cpu_runq_delay_s_per_s", "pid3"): 0.25}
+    assert r.labels == [{"type": "label", "cause": "cpu_starvation"}]
+    junk = tmp_path / "junk.gz"
+    junk.write_bytes(b"not gzip")
+    with pytest.raises(RecordingError):
+        read(junk)
+
+
+def test_model_trains_round_trips_and_leaves_unseen_causes_to_rules() -> None:
+    rng = np.random.default_rng(0)
+    x = np.vstack([rng.normal([2, 0], 0.3, (40, 2)), rng.normal([0, 2], 0.3, (40, 2)),
+                   rng.normal([-2, -2], 0.3, (40, 2))])
+    y = ["cpu_starvation"] * 40 + ["slow_dependency"] * 40 + ["server_queueing"] * 40
+    m = LinearModel.from_json(json.loads(json.dumps(train(x, y, ("a", "b"), "t", "cmd").to_json())))
+    p = m.proba({"a": 2.0, "b": 0.0})
+    assert max(p, key=lambda k: p[k]) == "cpu_starvation" and sum(p.values()) == pytest.approx(1)
+    s = scores(m, {"a": 0.0, "b": 2.0}, {"pcie_contention": 0.4, "cpu_starvation": 0.9})
+    assert s["pcie_contention"] == 0.4  # not a class of the model: the rules' share
+    assert max(s, key=lambda k: s[k]) == "slow_dependency"
+
+
+def test_verdict_metrics_count_and_expire() -> None:
+    from sits_trace.analyzers.rca.metrics import VerdictMetrics
+    from sits_trace.analyzers.rca.slo import Breach
+    from sits_trace.analyzers.rca.verdict import CauseScore, Verdict
+
+    now = [100 * 10**9]
+    m = VerdictMetrics(fresh_s=20, clock_ns=lambda: now[0])
+    v = Verdict(now[0], "llm", None, Breach("ttft_ms_p95", 900, 500),
+                [CauseScore("cpu_starvation", 0.9, {"pid": 7, "name": "hog"}, [], 12.5)])
+    m.observe(v)
+    m.observe(v)
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in m.samples()}
+    assert got[("sits_rca_verdicts_total", (("cause", "cpu_starvation"), ("service", "llm")))] == 2
+    top = (("cause", "cpu_starvation"), ("route", ""), ("service", "llm"))
+    assert got[("sits_rca_top_cause", top)] == 1.0
+    assert got[("sits_rca_explained_ms", top)] == 12.5
+    now[0] += 21 * 10**9  # older than two windows: no current top cause, the count stays
+    names = {s.name for s in m.samples()}
+    assert names == {"sits_rca_verdicts_total"}
+
+
+def test_cpu_culprit_prefers_a_process_of_the_victims_session() -> None:
+    """Autogroup scheduling: a hog in another session barely competes; one in the server's
+    session does, even when it uses a little less CPU."""
+    from sits_trace.analyzers.rca import rank
+    from sits_trace.analyzers.rca.decompose import decompose
+    from sits_trace.analyzers.rca.spantable import empty_frame
+
+    V, F, N = 4190010, 4190020, 4190030  # no such processes: affinity unknown, shared
+    a = ProcSnapshot(0, {V: ("srv", 0.0, 1.0, 0.0, 0.0, V), F: ("far", 0.0, 1.0, 0.0, 0.0, F),
+                         N: ("near", 0.0, 1.0, 0.0, 0.0, V)})
+    b = ProcSnapshot(10**9, {V: ("srv", 0.3, 1.0, 0.0, 0.0, V),
+                             F: ("far", 0.9, 1.0, 0.0, 0.0, F),
+                             N: ("near", 0.7, 1.0, 0.0, 0.0, V)})
+    df = empty_frame()
+    ctx = rank.Context({V}, df, df, proc_win=delta(a, b), exclude_pids=set())
+    d = decompose(df, df, "duration_ms")
+    cul, ev = rank.explain("cpu_starvation", d, ctx, rank.features(d, ctx))
+    assert cul == {"pid": N, "name": "near"}
+    assert ev[-1].observed == pytest.approx(0.7)
