@@ -48,7 +48,6 @@ from sits_trace.agent.tracing.redact import QueryRedactor
 from sits_trace.agent.tracing.spans import SpanBuilder
 from sits_trace.analyzers.control.agent_hook import AgentControl
 from sits_trace.analyzers.features import FeatureFrame
-from sits_trace.exporters.control_log import otlp_action_log
 from sits_trace.exporters.node_metrics import counter_samples, cuda_counter_samples, metric_samples
 
 if TYPE_CHECKING:
@@ -104,8 +103,11 @@ class Agent:
 
     def _control(self) -> AgentControl:
         e = self.cfg.export
-        sinks = [otlp_action_log(e.otlp_endpoint, e.otlp_protocol or "grpc")] \
-            if e.otlp_endpoint else []
+        sinks = []
+        if e.otlp_endpoint:  # the OTel SDK only with a collector to send action records to
+            from sits_trace.exporters.control_log import otlp_action_log  # noqa: PLC0415
+
+            sinks.append(otlp_action_log(e.otlp_endpoint, e.otlp_protocol or "grpc"))
         return AgentControl.build(self.cfg.control, proc_root=Path(self.procfs.root),
                                   on_action=sinks)
 
