@@ -247,9 +247,10 @@ def explain(cause: str, d: Decomposition, ctx: Context,
     if cause == C.SLOW_DEPENDENCY:
         return _dep_culprit(ctx), _ev(d, "dependency_ms_per_request")
     if cause == C.PCIE_CONTENTION:
-        return _gpu_pid_culprit(ctx, "cuda_h2d_bytes_per_s"), _ev(d, "cuda_copy_ms")
+        return _gpu_pid_culprit(ctx, "cuda_h2d_bytes_per_s"), _ev(d, "cuda_copy_ms", "cuda_sync_ms")
     if cause == C.GPU_COMPUTE_CONTENTION:
-        return _gpu_pid_culprit(ctx, "cuda_kernel_launches_per_s"), _ev(d, "cuda_sync_ms")
+        return (_gpu_pid_culprit(ctx, "cuda_kernel_launches_per_s"),
+                _ev(d, "cuda_sync_ms", "cuda_copy_ms"))
     if cause in (C.GPU_THROTTLING, C.GPU_MEMORY_PRESSURE):
         return _gpu_index(ctx.win), _ev(d, "gpu_sm_clock_mhz", "cuda_sync_ms")
     if cause == C.REQUEST_MIX_SHIFT:
@@ -259,9 +260,33 @@ def explain(cause: str, d: Decomposition, ctx: Context,
     return None, _ev(d, "requests_per_s")
 
 
+def gpu_attribution(d: Decomposition, ctx: Context, scores: Mapping[str, float]
+                    ) -> dict[str, float]:
+    """The victim's slower GPU calls say the GPU got slower for it, not why: a pageable copy
+    waits as long behind another process's kernels as behind its transfers. What the other
+    processes did decides: transfers that rose (CUDA copy bytes, exact per process) make it
+    pcie_contention; kernel launches that rose with no such transfers make it
+    gpu_compute_contention. Moves the score and the explained ms to the cause the competitors
+    show (d's explained_ms is updated to match)."""
+    out = dict(scores)
+    copier = _gpu_pid_culprit(ctx, "cuda_h2d_bytes_per_s")
+    launcher = _gpu_pid_culprit(ctx, "cuda_kernel_launches_per_s")
+    moves = ((C.PCIE_CONTENTION, C.GPU_COMPUTE_CONTENTION) if launcher and not copier else
+             (C.GPU_COMPUTE_CONTENTION, C.PCIE_CONTENTION) if copier and not launcher else None)
+    if moves is None:
+        return out
+    src, dst = moves
+    if out.get(src, 0.0) > out.get(dst, 0.0):
+        out[dst], out[src] = out[src], out.get(dst, 0.0)
+    ms = d.explained_ms
+    ms[dst] = ms.get(dst, 0.0) + ms.pop(src, 0.0)
+    return out
+
+
 def ranked(d: Decomposition, ctx: Context, scores: Mapping[str, float],
            top_n: int = 5) -> list[CauseScore]:
     out: list[CauseScore] = []
+    scores = gpu_attribution(d, ctx, scores)
     f = features(d, ctx)
     for cause, score in sorted(scores.items(), key=lambda kv: -kv[1])[:top_n]:
         cul, ev = explain(cause, d, ctx, f)

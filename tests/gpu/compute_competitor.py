@@ -1,6 +1,6 @@
 """GPU compute contention for the RCA scenario: bf16 matrix products on the same GPU, in a loop.
 
-Runs 8192 x 8192 x 8192 products on its own stream until killed or --seconds pass; prints its
+Runs 16384^3 products (32 queued per sync) on its own stream until killed or --seconds pass; prints its
 product count (JSON) on SIGTERM/exit. It copies almost nothing: its mark is kernel launches.
 
     python3 tests/gpu/compute_competitor.py --seconds 30
@@ -21,7 +21,8 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--queue", type=int, default=32, help="products queued per sync")
     a = ap.parse_args()
     x = torch.randn(a.n, a.n, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(a.n, a.n, device="cuda", dtype=torch.bfloat16)
@@ -33,7 +34,7 @@ def main() -> None:
     t0 = time.monotonic()
     with torch.cuda.stream(stream):
         while not stop["now"] and time.monotonic() - t0 < a.seconds:
-            for _ in range(8):
+            for _ in range(a.queue):
                 torch.mm(x, y)
                 n += 1
             stream.synchronize()

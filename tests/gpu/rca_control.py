@@ -129,7 +129,8 @@ def fault_phase(name: str, script: str, seconds: float, load: Load, verdicts: li
             "competitor_self": out.strip().splitlines()[-1:] if out else []}
 
 
-def part_a(port: int, window_s: float, baseline: int, fault_s: float) -> dict[str, Any]:
+def part_a(port: int, window_s: float, baseline: int, fault_s: float,
+           faults: str = "copy,compute") -> dict[str, Any]:
     agent, verdicts, _ = make_agent(port, "observe", window_s, baseline)
     load = Load(port)
     stop, th = run_agent(agent)
@@ -139,16 +140,21 @@ def part_a(port: int, window_s: float, baseline: int, fault_s: float) -> dict[st
         time.sleep(window_s * (baseline + 1.5))
         base = load.window(t0 + window_s, time.time())
         log(f"baseline: {base}")
-        copy = fault_phase("copy", "competitor.py", fault_s, load, verdicts, "pcie_contention")
-        time.sleep(window_s * 2.5)
-        comp = fault_phase("compute", "compute_competitor.py", fault_s, load, verdicts,
-                           "gpu_compute_contention")
-        time.sleep(window_s)
+        out: dict[str, Any] = {"baseline": base}
+        if "copy" in faults:
+            out["copy"] = fault_phase("copy", "competitor.py", fault_s, load, verdicts,
+                                      "pcie_contention")
+            time.sleep(window_s * 2.5)
+        if "compute" in faults:
+            out["compute"] = fault_phase("compute", "compute_competitor.py", fault_s, load,
+                                         verdicts, "gpu_compute_contention")
+            time.sleep(window_s)
     finally:
         load.stop()
         stop.set()
         th.join(timeout=60)
-    return {"baseline": base, "copy": copy, "compute": comp, "all_verdicts": verdicts}
+    out["all_verdicts"] = verdicts
+    return out
 
 
 def part_b(port: int, window_s: float, baseline: int, fault_s: float) -> dict[str, Any]:
@@ -194,6 +200,7 @@ def main() -> None:
     ap.add_argument("--baseline-windows", type=int, default=5)
     ap.add_argument("--fault-s", type=float, default=24.0)
     ap.add_argument("--parts", default="ab")
+    ap.add_argument("--faults", default="copy,compute", help="part A's faults, in order")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +209,7 @@ def main() -> None:
     result: dict[str, Any] = {"server_pid": int(line.split("pid=")[1].split()[0])}
     try:
         if "a" in a.parts:
-            result["a"] = part_a(a.port, a.window_s, a.baseline_windows, a.fault_s)
+            result["a"] = part_a(a.port, a.window_s, a.baseline_windows, a.fault_s, a.faults)
         if "b" in a.parts:
             result["b"] = part_b(a.port, a.window_s, a.baseline_windows, a.fault_s)
     finally:
@@ -217,6 +224,8 @@ def summary(r: dict[str, Any]) -> None:
         a = r["a"]
         print("part A (observe): baseline", a["baseline"])
         for k in ("copy", "compute"):
+            if k not in a:
+                continue
             p = a[k]
             print(f"  {k}: verdicts={len(p['verdicts'])} right={p['right']} "
                   f"culprit_right={p['culprit_right']} first_after_s={p['first_right_after_s']} "
