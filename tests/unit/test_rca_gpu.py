@@ -5,7 +5,6 @@ on the H200: a compute competitor made the server's pageable copies 3.4 ms slowe
 from __future__ import annotations
 
 import pandas as pd
-
 from sits_trace.analyzers.rca import causes as C
 from sits_trace.analyzers.rca.decompose import Decomposition
 from sits_trace.analyzers.rca.rank import Context, ranked
