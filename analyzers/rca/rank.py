@@ -283,10 +283,30 @@ def gpu_attribution(d: Decomposition, ctx: Context, scores: Mapping[str, float]
     return out
 
 
+def consistent(d: Decomposition, scores: Mapping[str, float], *, dominant: float = 0.5,
+               negligible: float = 0.1, factor: float = 0.25) -> dict[str, float]:
+    """Where one measured cause explains most of the slowdown (>= `dominant` of the excess ms),
+    a host-contention cause (CPU, memory: named from other processes' use, which GPU and
+    network competitors move too) whose own measured term explains almost none of it
+    (< `negligible`) cannot lead: its score is cut by `factor`. On the H200 a competitor spinning in cudaStreamSynchronize
+    raised its CPU use and the server's run-queue delay by 0.06 ms, while its GPU work
+    explained 3.4 ms; cpu_starvation must not outrank that."""
+    out = dict(scores)
+    excess = max(d.excess_ms, 1e-3)
+    measured = set(_FRAC.values())
+    shares = {c: d.explained_ms.get(c, 0.0) / excess for c in measured}
+    if max(shares.values(), default=0.0) < dominant:
+        return out
+    for c in (C.CPU_STARVATION, C.HOST_MEMORY_PRESSURE):
+        if c in out and shares[c] < negligible:
+            out[c] *= factor
+    return out
+
+
 def ranked(d: Decomposition, ctx: Context, scores: Mapping[str, float],
            top_n: int = 5) -> list[CauseScore]:
     out: list[CauseScore] = []
-    scores = gpu_attribution(d, ctx, scores)
+    scores = consistent(d, gpu_attribution(d, ctx, scores))
     f = features(d, ctx)
     for cause, score in sorted(scores.items(), key=lambda kv: -kv[1])[:top_n]:
         cul, ev = explain(cause, d, ctx, f)

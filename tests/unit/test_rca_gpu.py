@@ -47,3 +47,13 @@ def test_transfers_of_another_process_stay_pcie_contention() -> None:
     top = ranked(_decomp(), ctx, SCORES)[0]
     assert top.cause == C.PCIE_CONTENTION
     assert top.culprit is not None and top.culprit["pid"] == 545
+
+
+def test_a_cause_that_explains_nothing_does_not_lead() -> None:
+    """The H200 copy run: the copier spins in cudaStreamSynchronize, its CPU rises and the
+    server's run-queue delay moves 0.06 ms; its transfers explain 3.4 ms."""
+    d = _decomp()
+    d.explained_ms[C.CPU_STARVATION] = 0.06
+    ctx = _ctx({("cuda_h2d_bytes_per_s", "pid545"): 40e9})
+    scores = {C.CPU_STARVATION: 0.95, C.PCIE_CONTENTION: 0.6}
+    assert ranked(d, ctx, scores)[0].cause == C.PCIE_CONTENTION
