@@ -206,7 +206,7 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
         root = tracefs_root()
     except PermissionError:  # tracefs is 0700 root: capabilities without DAC_READ_SEARCH
         raise ProbeError("tracefs (/sys/kernel/tracing) is not readable: needs root or "
-                         "CAP_DAC_READ_SEARCH (and CAP_DAC_OVERRIDE for uprobes)") from None
+                         "CAP_DAC_READ_SEARCH (and CAP_SYS_ADMIN for uprobes)") from None
     if root is None:
         raise ProbeError("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
     report = ProbeReport()

@@ -84,7 +84,9 @@ def _run_unprivileged(tmp_path: Path) -> None:
             except OSError:
                 break
         assert b"STOPPING=1" in msgs
-    assert "Permission denied" not in err, err  # uprobes (libssl) attached too
+    # uprobes (libssl) attached too: without CAP_SYS_ADMIN the uprobe PMU says EACCES and BCC's
+    # tracefs fallback fails with "perf_event_open(...uprobes/...): Invalid argument"
+    assert "Permission denied" not in err and "Invalid argument" not in err, err
     mine = [json.loads(x) for x in spans.read_text().splitlines()
             if '"caps-only"' in x]
     assert {s["kind"] for s in mine} == {"SERVER", "CLIENT"}
