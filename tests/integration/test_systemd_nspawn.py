@@ -47,6 +47,8 @@ def why_not() -> str | None:
         return "needs root"
     if not shutil.which("systemd-nspawn"):
         return "systemd-nspawn missing (apt-get install systemd-container)"
+    if not shutil.which("capsh"):
+        return "capsh missing (apt-get install libcap2-bin)"
     if not Path("/bin").is_symlink() or not Path("/usr/lib/systemd/systemd").exists():
         return "needs a merged-/usr host with systemd installed (its /usr is the container's)"
     if not Path("/sys/kernel/tracing/events").is_dir():
