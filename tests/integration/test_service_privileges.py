@@ -57,7 +57,8 @@ def _run_unprivileged(tmp_path: Path) -> None:
         os.chmod(notify, 0o777)
         ns.settimeout(120)
         cfg.write_text(f'[trace]\ncpu_budget = 0\n[export]\njsonl_path = "{spans}"\n'
-                       f'[api]\nsocket = "{sock}"\n')
+                       f'[api]\nsocket = "{sock}"\n'
+                       f'[control]\nsocket_path = "{tmp_path / "run" / "control.sock"}"\n')
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "NOTIFY_SOCKET": str(notify),
                "WATCHDOG_USEC": "2000000", "SITS_STATS_PATH": str(tmp_path / "stats.json")}
         p = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",

@@ -230,6 +230,9 @@ def test_the_unit_under_systemd_traces_reloads_and_stops() -> None:
         assert top["source"] == "daemon"
         assert any(r["route"] == path for r in top["routes"]), top["routes"]
 
+        # the control API (mode advise by default) serves from the runtime directory
+        box.sh("test", "-S", "/run/sits-trace/control.sock")
+
         # stop flushes: requests sent just before `systemctl stop` are in the file after it
         last = f"/stop-{uuid.uuid4().hex[:8]}"
         for _ in range(5):
