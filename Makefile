@@ -1,7 +1,7 @@
 # The two commands a user needs (README): `make demo` and `make test`. Both set up first (root).
 # `make lint` and `make unit` need no root: they build .venv only when it is missing.
 PY := .venv/bin/python
-.PHONY: setup venv demo test unit lint bench
+.PHONY: setup venv demo test unit lint bench install-service uninstall-service
 
 setup:
 	@bash scripts/setup.sh
@@ -29,3 +29,11 @@ lint: venv
 
 bench: setup
 	$(PY) bench/overhead.py
+
+# the systemd unit (systemd/sits-trace.service, ExecStart at this checkout's .venv),
+# /etc/sits-trace/config.toml if absent, enable and (re)start: docs/systemd.md
+install-service: setup
+	.venv/bin/sits-trace install-service
+
+uninstall-service:
+	.venv/bin/sits-trace uninstall-service

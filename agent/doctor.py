@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from sits_trace.agent.capture.loader import bpf_privileged, bpf_refusal
 from sits_trace.agent.capture.probes import (
     HTTP_TRACEPOINTS,
     TLS_UPROBES,
@@ -27,9 +28,11 @@ SETUP_HINT = "run `make setup` (scripts/setup.sh) as root"
 
 
 def _privileges() -> Check:
-    ok = os.geteuid() == 0
-    return Check("privileges", ok, "root" if ok else f"uid {os.geteuid()}",
-                 "run as root (sudo sits-trace ...)", core=True)
+    uid = os.geteuid()
+    ok = bpf_privileged()  # root, or the capabilities the systemd unit gives
+    detail = "root" if uid == 0 else f"uid {uid}" + (" with BPF capabilities" if ok else "")
+    return Check("privileges", ok, detail,
+                 "run as root (sudo sits-trace ...) or with CAP_BPF+CAP_PERFMON", core=True)
 
 
 def _bcc() -> Check:
@@ -53,7 +56,8 @@ def _bpf_syscall() -> Check:
     except ImportError:
         return Check("bpf", False, "skipped: bcc missing", SETUP_HINT, core=True)
     except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception
-        return Check("bpf", False, str(exc).splitlines()[0][:120],
+        refused = bpf_refusal() if bpf_privileged() and os.uname().machine == "x86_64" else None
+        return Check("bpf", False, refused or str(exc).splitlines()[0][:120],
                      "needs root and a kernel with CONFIG_BPF_SYSCALL", core=True)
 
 
@@ -64,7 +68,11 @@ def _btf() -> Check:
 
 
 def _tracefs() -> Check:
-    root = tracefs_root()
+    try:
+        root = tracefs_root()
+    except PermissionError:
+        return Check("tracefs", False, "/sys/kernel/tracing is not readable (mode 0700 root)",
+                     "run as root, or give CAP_DAC_READ_SEARCH", core=True)
     return Check("tracefs", root is not None, str(root) if root else "not mounted",
                  "mount -t tracefs nodev /sys/kernel/tracing", core=True)
 

@@ -66,8 +66,10 @@ def install(root: Path, executable: Path, enable: bool = True, run: Runner = _ru
     if run(["systemctl", "daemon-reload"]) != 0:
         raise ServiceError("systemctl daemon-reload failed")
     if enable:
-        if run(["systemctl", "enable", "--now", UNIT_NAME]) != 0:
-            raise ServiceError("systemctl enable --now sits-trace failed: "
+        # restart, not `enable --now`: a reinstall over a running service must take effect
+        if run(["systemctl", "enable", UNIT_NAME]) != 0 or \
+                run(["systemctl", "restart", UNIT_NAME]) != 0:
+            raise ServiceError("systemctl enable/restart sits-trace failed: "
                                "see journalctl -u sits-trace")
         yield "enabled and started sits-trace.service"
 

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Set up sits-trace on a fresh Debian 12 machine, as root. Idempotent: a second run is quick.
 #  - Debian's BCC (python3-bpfcc) and the test peers (nginx, prometheus, wrk, hey, stress-ng...)
+#  - systemd-container (systemd-nspawn: the unit under a real systemd, test_systemd_nspawn)
 #  - kernel headers: the running kernel's if Debian has them, else the newest Debian headers
 #    linked at /lib/modules/$(uname -r)/{build,source} (tracepoint and uprobe programs compile
 #    against them because tracepoint argument structs come from tracefs)
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "setup: run as root (sudo make setup)" >&2; exit 1; }
 kver=$(uname -r)
 pkgs=(python3-bpfcc bpfcc-tools python3-venv python3-dev nginx-light prometheus wrk hey stress-ng
-      iproute2 curl openssl procps)
+      iproute2 curl openssl procps systemd-container libcap2-bin)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 have_headers() { [ -e "/lib/modules/$kver/build/Makefile" ] || [ -e "/lib/modules/$kver/build/include" ]; }

@@ -181,6 +181,35 @@ def _quietly(fn: Callable[[Any], object], arg: Any) -> int:
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
 
 
+def bpf_refusal(syscall: Callable[[], tuple[int, int]] | None = None) -> str | None:
+    """Why the kernel refuses bpf() to a privileged process (one line), or None when it
+    creates a one-entry array map. EPERM there is a seccomp filter: kernels before 5.11,
+    where it can also be RLIMIT_MEMLOCK, are not asked."""
+    if syscall is None:
+        if tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit()) < (5, 11):
+            return None
+        syscall = _map_create
+    fd, err = syscall()
+    if fd >= 0:
+        os.close(fd)
+        return None
+    if err == 38:  # ENOSYS
+        return "this kernel has no bpf() system call (CONFIG_BPF_SYSCALL)"
+    if err == 1:  # EPERM
+        return ("the kernel refused bpf() (Operation not permitted) to a privileged process: "
+                "a seccomp filter blocks it (a container runtime's, or systemd's "
+                "SystemCallFilter): allow bpf and perf_event_open")
+    return None  # anything else: BCC's own error says more
+
+
+def _map_create() -> tuple[int, int]:
+    attr = struct.pack("5I", 2, 4, 4, 1, 0)  # BPF_MAP_TYPE_ARRAY, key 4, value 4, 1 entry
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = int(libc.syscall(321, 0, buf, len(attr)))  # x86_64 bpf(BPF_MAP_CREATE)
+    return fd, ctypes.get_errno()
+
+
 def bpf_privileged(status: str | None = None) -> bool:
     """Root, or the effective capabilities BPF tracing needs: CAP_BPF and CAP_PERFMON
     (or CAP_SYS_ADMIN, which kernels before 5.8 ask for): a systemd unit runs without root."""
@@ -202,11 +231,14 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
     bcc = import_bcc()
     if not bpf_privileged():
         raise ProbeError("loading BPF programs needs root (or CAP_BPF+CAP_PERFMON): run with sudo")
+    refused = bpf_refusal() if os.uname().machine == "x86_64" else None
+    if refused:
+        raise ProbeError(refused)
     try:
         root = tracefs_root()
     except PermissionError:  # tracefs is 0700 root: capabilities without DAC_READ_SEARCH
         raise ProbeError("tracefs (/sys/kernel/tracing) is not readable: needs root or "
-                         "CAP_DAC_READ_SEARCH (and CAP_DAC_OVERRIDE for uprobes)") from None
+                         "CAP_DAC_READ_SEARCH (and CAP_SYS_ADMIN for uprobes)") from None
     if root is None:
         raise ProbeError("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
     report = ProbeReport()

@@ -129,7 +129,9 @@ class ControlServer:
                  mode: int = 0o660, max_clients: int = 32, idle_timeout_s: float = 300.0) -> None:
         self.board = board
         self.path = path
-        self.gid = resolve_group(group)
+        # "" is root's group, which a non-root agent (systemd's DynamicUser) cannot give its
+        # socket (chown: EPERM): its own group then, which keeps the socket to root and itself
+        self.gid = resolve_group(group) if group or os.geteuid() == 0 else os.getegid()
         self.mode = mode
         self.max_clients = max_clients
         self.idle_timeout_s = idle_timeout_s

@@ -57,7 +57,8 @@ def _run_unprivileged(tmp_path: Path) -> None:
         os.chmod(notify, 0o777)
         ns.settimeout(120)
         cfg.write_text(f'[trace]\ncpu_budget = 0\n[export]\njsonl_path = "{spans}"\n'
-                       f'[api]\nsocket = "{sock}"\n')
+                       f'[api]\nsocket = "{sock}"\n'
+                       f'[control]\nsocket_path = "{tmp_path / "run" / "control.sock"}"\n')
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "NOTIFY_SOCKET": str(notify),
                "WATCHDOG_USEC": "2000000", "SITS_STATS_PATH": str(tmp_path / "stats.json")}
         p = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
@@ -84,7 +85,9 @@ def _run_unprivileged(tmp_path: Path) -> None:
             except OSError:
                 break
         assert b"STOPPING=1" in msgs
-    assert "Permission denied" not in err, err  # uprobes (libssl) attached too
+    # uprobes (libssl) attached too: without CAP_SYS_ADMIN the uprobe PMU says EACCES and BCC's
+    # tracefs fallback fails with "perf_event_open(...uprobes/...): Invalid argument"
+    assert "Permission denied" not in err and "Invalid argument" not in err, err
     mine = [json.loads(x) for x in spans.read_text().splitlines()
             if '"caps-only"' in x]
     assert {s["kind"] for s in mine} == {"SERVER", "CLIENT"}
