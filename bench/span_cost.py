@@ -1,0 +1,176 @@
+"""Agent CPU per span, stage by stage: decode, parse, span, JSON, OTLP encode.
+
+    .venv/bin/python bench/span_cost.py [-n 20000] [--repeat 5]
+
+Feeds ring records built the way bpf/http.c lays them out (struct data_event: an nginx-like
+keep-alive request and response, two records per exchange; a uvicorn-like SSE stream of
+`--tokens` events, per-write records against the kernel's folded summary) through the
+agent's own code, one stage at a time, and prints the median over `--repeat` runs of each
+stage's µs per span (process CPU time). The node signals (TCP, run queue) are not in here:
+they read kernel maps; bench/overhead.py measures the whole agent, them included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import struct
+import time
+from collections.abc import Callable
+
+from sits_trace.agent.capture import events as ev
+from sits_trace.agent.model import Chunk, ConnInfo, Exchange, Role, Span, StreamChunk
+from sits_trace.agent.tracing.http1 import HttpConnParser
+from sits_trace.agent.tracing.spans import SpanBuilder
+
+REQ = (b"GET /index.html HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nUser-Agent: wrk\r\n"
+       b"Accept: */*\r\nx-request-id: 0123456789abcdef\r\n\r\n")
+RESP = (b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 02 Dec 2025 10:20:00 GMT\r\n"
+        b"Content-Type: text/plain\r\nContent-Length: 17\r\nConnection: keep-alive\r\n\r\n"
+        b"hello from nginx\n")
+_SSE_BODY = b'{"model": "tiny", "stream": true, "messages": []}'
+SSE_REQ = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           b"content-length: %d\r\n\r\n%s" % (len(_SSE_BODY), _SSE_BODY))
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+_HDR = struct.Struct("<IIQQQQIiIIBBBBI")
+
+
+def data_record(conn_id: int, direction: int, t: int, payload: bytes) -> bytes:
+    return _HDR.pack(3, 100, conn_id, t, t + 2000, 0, 100, 7, len(payload), len(payload),
+                     direction, 0, 1, 0, 0) + payload
+
+
+def nginx_records(n: int, conns: int = 50) -> list[bytes]:
+    out = []
+    t = 1_000_000_000
+    for i in range(n):
+        cid = 1 + i % conns
+        out.append(data_record(cid, 0, t, REQ))
+        out.append(data_record(cid, 1, t + 30_000, RESP))
+        t += 50_000
+    return out
+
+
+def _event(i: int) -> bytes:
+    e = b'data: {"id": "c1", "model": "tiny", "choices": [{"delta": {"content": " t%d"}}]}\n\n' % i
+    return b"%x\r\n%s\r\n" % (len(e), e)
+
+
+def sse_records(streams: int, tokens: int, folded: bool) -> list[bytes]:
+    """Per stream: request, head, then `tokens` event writes and the terminator, or (folded)
+    the one summary the kernel sends instead."""
+    out = []
+    t = 1_000_000_000
+    for s in range(streams):
+        cid = 1000 + s
+        out.append(data_record(cid, 0, t, SSE_REQ))
+        out.append(data_record(cid, 1, t + 1_000_000, SSE_HEAD))
+        t0 = t + 2_000_000
+        if folded:
+            c = ev.StreamEventC(kind=12, tgid=100, conn_id=cid, first_enter_ns=t0,
+                                first_exit_ns=t0 + 900, last_enter_ns=t0 + (tokens - 1) * 20_000_000,
+                                last_exit_ns=t0 + (tokens - 1) * 20_000_000 + 900,
+                                end_ns=t0 + tokens * 20_000_000, max_gap_ns=20_000_000,
+                                writes=tokens, events=tokens, end=1, role=1, tail_last=1)
+            last = _event(tokens - 1)
+            c.tail1 = last
+            c.tail1_len = len(last)
+            out.append(bytes(c))
+        else:
+            for i in range(tokens):
+                out.append(data_record(cid, 1, t0 + i * 20_000_000, _event(i)))
+            out.append(data_record(cid, 1, t0 + tokens * 20_000_000, b"0\r\n\r\n"))
+        t += 10_000
+    return out
+
+
+def cpu_us(fn: Callable[[], object]) -> float:
+    c0 = time.process_time()
+    fn()
+    return (time.process_time() - c0) * 1e6
+
+
+def parse_all(events: list[ev.Event]) -> list[Exchange]:
+    out: list[Exchange] = []
+    parsers: dict[int, HttpConnParser] = {}
+    for e in events:
+        p = parsers.get(e.conn_id)  # type: ignore[union-attr]
+        if p is None:
+            info = ConnInfo(conn_id=e.conn_id, pid=100, fd=7, role=Role.SERVER, comm="nginx")  # type: ignore[union-attr]
+            p = parsers[e.conn_id] = HttpConnParser(info, out.append)  # type: ignore[union-attr]
+        if isinstance(e, ev.DataEvent):
+            p.feed(Chunk(e.direction, e.ts_enter_ns, e.ts_exit_ns, e.payload, e.length))
+        elif isinstance(e, ev.StreamEvent):
+            p.feed_stream(StreamChunk(1, e.writes, e.events, e.first_enter_ns,  # type: ignore[arg-type]
+                                      e.last_exit_ns, e.max_gap_ns, e.body_bytes, e.wire_bytes,
+                                      e.end_ns, True, e.tails))
+    return out
+
+
+def otlp_encoder() -> Callable[[list[Span]], int] | None:
+    try:
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+        from opentelemetry.sdk.resources import Resource
+        from sits_trace.exporters.otlp import to_readable
+    except ImportError:
+        return None
+    res = Resource.create({"service.name": "nginx"})
+
+    def encode(spans: list[Span]) -> int:
+        n = 0
+        for i in range(0, len(spans), 512):  # the SDK's batch size
+            n += len(encode_spans([to_readable(s, res) for s in spans[i:i + 512]])
+                     .SerializeToString())
+        return n
+    return encode
+
+
+def stages(records: list[bytes]) -> dict[str, float]:
+    """µs of CPU per span for each stage over `records`."""
+    out: dict[str, float] = {}
+    decoded: list[ev.Event] = []
+    out["decode"] = cpu_us(lambda: decoded.extend(ev.decode(r) for r in records))
+    exchanges: list[Exchange] = []
+    out["parse"] = cpu_us(lambda: exchanges.extend(parse_all(decoded)))
+    builder = SpanBuilder(clock_offset_ns=0)
+    spans: list[Span] = []
+    out["span"] = cpu_us(lambda: spans.extend(builder.build(x) for x in exchanges))
+    out["json"] = cpu_us(lambda: [json.dumps(s.to_json(), separators=(",", ":")) for s in spans])
+    enc = otlp_encoder()
+    if enc is not None:
+        out["otlp"] = cpu_us(lambda: enc(spans))
+    n = max(1, len(spans))
+    per = {k: v / n for k, v in out.items()}
+    per["spans"] = len(spans)
+    per["records_per_span"] = len(records) / n
+    return per
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-n", type=int, default=20000, help="nginx exchanges")
+    ap.add_argument("--streams", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=5)
+    a = ap.parse_args()
+    cases = {
+        "nginx keep-alive (2 records/span)": nginx_records(a.n),
+        f"SSE {a.tokens} tokens, a record per write": sse_records(a.streams, a.tokens, False),
+        f"SSE {a.tokens} tokens, folded in the kernel": sse_records(a.streams, a.tokens, True),
+    }
+    report = {}
+    for name, recs in cases.items():
+        runs = [stages(recs) for _ in range(a.repeat)]
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        med["total_us"] = sum(v for k, v in med.items()
+                              if k not in ("spans", "records_per_span"))
+        report[name] = med
+        cols = " ".join(f"{k}={v:.2f}" for k, v in med.items() if k not in ("spans",))
+        print(f"{name}: {cols}  (us/span, median of {a.repeat})")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
