@@ -99,10 +99,10 @@ def parse_all(events: list[ev.Event]) -> list[Exchange]:
     out: list[Exchange] = []
     parsers: dict[int, HttpConnParser] = {}
     for e in events:
-        p = parsers.get(e.conn_id)  # type: ignore[union-attr]
+        p = parsers.get(e.conn_id)
         if p is None:
-            info = ConnInfo(conn_id=e.conn_id, pid=100, fd=7, role=Role.SERVER, comm="nginx")  # type: ignore[union-attr]
-            p = parsers[e.conn_id] = HttpConnParser(info, out.append)  # type: ignore[union-attr]
+            info = ConnInfo(conn_id=e.conn_id, pid=100, fd=7, role=Role.SERVER, comm="nginx")
+            p = parsers[e.conn_id] = HttpConnParser(info, out.append)
         if isinstance(e, ev.DataEvent):
             p.feed(Chunk(e.direction, e.ts_enter_ns, e.ts_exit_ns, e.payload, e.length))
         elif isinstance(e, ev.StreamEvent):

@@ -165,8 +165,8 @@ static __always_inline int stream_write(__u64 id, __u64 key, struct conn_state *
     if (st->role != ROLE_SERVER)
         return 0;
     if (first) {
-        if (st->agg)
-            stream_flush(key, st, STREAM_END_FLUSH);
+        if (st->agg) /* a new response: the one being folded had ended */
+            stream_flush(key, st, STREAM_END_NEXT);
         return 0;
     }
     if (!buf || len < 5) {

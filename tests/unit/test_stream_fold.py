@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeAlias
 
 import pytest
-
 from sits_trace.agent.capture import events as ev
 from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role, StreamChunk
 from sits_trace.agent.tracing.http1 import HttpConnParser, ParserStats
@@ -27,70 +28,70 @@ _CHUNK_LINE = re.compile(rb"([0-9a-fA-F]{1,9})\r\n")
 TERMINATOR = b"0\r\n\r\n"
 IN, OUT = Direction.INGRESS, Direction.EGRESS
 
-Record = Chunk | StreamChunk
+Record: TypeAlias = Chunk | StreamChunk
+
+
+@dataclass
+class _Fold:
+    writes: int = 0
+    events: int = 0
+    first: int = 0
+    last: int = 0
+    gap: int = 0
+    body: int = 0
+    wire: int = 0
+    tails: list[bytes] = field(default_factory=lambda: [b"", b""])
+
+    def summary(self, complete: bool, end_ns: int = 0) -> StreamChunk:
+        return StreamChunk(OUT, self.writes, self.events, self.first, self.last, self.gap,
+                           self.body, self.wire, end_ns, complete,
+                           (self.tails[-2], self.tails[-1]))
+
+    def add(self, c: Chunk, term: bool, tail: int) -> None:
+        if self.writes == 0:
+            self.first = c.ts_enter_ns
+        else:
+            self.gap = max(self.gap, c.ts_enter_ns - self.last)
+        self.writes += 1
+        self.last = c.ts_exit_ns
+        self.wire += len(c.data)
+        m = _CHUNK_LINE.match(c.data[:16])
+        size = int(m.group(1), 16) if m else -1
+        if m and m.end() + size + 2 + (5 if term else 0) == len(c.data):
+            self.body += size
+            self.events += c.data[m.end():m.end() + 5] == b"data:"
+        else:
+            self.body += len(c.data)
+        self.tails.append(c.data[:tail])
 
 
 def fold(chunks: list[Chunk], tail: int = ev.STREAM_TAIL) -> list[Record]:
     """What the kernel sends for a server connection's writes (stream.h, restated)."""
     out: list[Record] = []
-    agg: dict[str, object] | None = None
+    agg: _Fold | None = None
     last_dir: Direction | None = None
-
-    def flush(complete: bool, end_ns: int = 0) -> None:
-        nonlocal agg
-        assert agg is not None
-        tails = agg["tails"]
-        assert isinstance(tails, list)
-        out.append(StreamChunk(OUT, int(agg["writes"]), int(agg["events"]),  # type: ignore[call-overload]
-                               int(agg["first"]), int(agg["last"]), int(agg["gap"]),  # type: ignore[call-overload]
-                               int(agg["body"]), int(agg["wire"]), end_ns, complete,  # type: ignore[call-overload]
-                               (tails[-2], tails[-1])))
-        agg = None
-
     for c in chunks:
         first = c.direction != last_dir
         last_dir = c.direction
-        if c.direction == IN:
-            if agg is not None:
-                flush(True)
+        if c.direction == IN or first or len(c.data) < 5:
+            if agg is not None:  # a read: the next request; a head or iovec write: a flush
+                out.append(agg.summary(c.direction == IN))
+                agg = None
             out.append(c)
             continue
-        if first or len(c.data) < 5:
-            if agg is not None:
-                flush(False)
-            out.append(c)
-            continue
-        m = _CHUNK_LINE.match(c.data[:16])
         if agg is None:
-            if m is None:
+            if _CHUNK_LINE.match(c.data[:16]) is None:
                 out.append(c)
                 continue
-            agg = {"writes": 0, "events": 0, "first": 0, "last": 0, "gap": 0, "body": 0,
-                   "wire": 0, "tails": [b"", b""]}
+            agg = _Fold()
         term = c.data.endswith(TERMINATOR)
-        if term and len(c.data) == 5:
-            flush(True, c.ts_exit_ns)
-            continue
-        if agg["writes"] == 0:
-            agg["first"] = c.ts_enter_ns
-        else:
-            agg["gap"] = max(int(agg["gap"]), c.ts_enter_ns - int(agg["last"]))  # type: ignore[call-overload]
-        agg["writes"] = int(agg["writes"]) + 1  # type: ignore[call-overload]
-        agg["last"] = c.ts_exit_ns
-        agg["wire"] = int(agg["wire"]) + len(c.data)  # type: ignore[call-overload]
-        size = int(m.group(1), 16) if m else -1
-        if m and m.end() + size + 2 + (5 if term else 0) == len(c.data):
-            agg["body"] = int(agg["body"]) + size  # type: ignore[call-overload]
-            agg["events"] = int(agg["events"]) + c.data[m.end():m.end() + 5].startswith(b"data:")  # type: ignore[call-overload]
-        else:
-            agg["body"] = int(agg["body"]) + len(c.data)  # type: ignore[call-overload]
-        tails = agg["tails"]
-        assert isinstance(tails, list)
-        tails.append(c.data[:tail])
+        if not (term and len(c.data) == 5):
+            agg.add(c, term, tail)
         if term:
-            flush(True, c.ts_exit_ns)
+            out.append(agg.summary(True, c.ts_exit_ns))
+            agg = None
     if agg is not None:
-        flush(False)
+        out.append(agg.summary(False))
     return out
 
 
@@ -174,7 +175,7 @@ def test_500_token_stream_is_one_span_from_two_response_records() -> None:
     chunks = openai_stream(500)
     old, new, records = _both(chunks)
     assert len(new) == 1 and new == old
-    response_records = [r for r in records if isinstance(r, StreamChunk) or r.direction == OUT]
+    response_records = [r for r in records if r.direction == OUT]
     assert len(response_records) == 2  # the head, one summary
     a = new[0]
     assert a["sits.stream.chunks"] == 502  # 500 tokens, usage, [DONE]
