@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from sits_trace.agent.capture import events as ev
-from sits_trace.agent.model import Chunk, ConnInfo, Exchange, Role, Span, StreamChunk
+from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role, Span, StreamChunk
 from sits_trace.agent.tracing.http1 import HttpConnParser
 from sits_trace.agent.tracing.spans import SpanBuilder
 
@@ -106,7 +106,7 @@ def parse_all(events: list[ev.Event]) -> list[Exchange]:
         if isinstance(e, ev.DataEvent):
             p.feed(Chunk(e.direction, e.ts_enter_ns, e.ts_exit_ns, e.payload, e.length))
         elif isinstance(e, ev.StreamEvent):
-            p.feed_stream(StreamChunk(1, e.writes, e.events, e.first_enter_ns,  # type: ignore[arg-type]
+            p.feed_stream(StreamChunk(Direction.EGRESS, e.writes, e.events, e.first_enter_ns,
                                       e.last_exit_ns, e.max_gap_ns, e.body_bytes, e.wire_bytes,
                                       e.end_ns, True, e.tails))
     return out

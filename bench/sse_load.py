@@ -142,7 +142,7 @@ def main() -> int:
             time.sleep(2)
             load(port, 4, 1)  # warm-up
             for rnd in range(a.rounds):
-                for name in rows:
+                for name, done_rows in rows.items():
                     agent = start_agent(agents[name], server.pid) if name != "off" else None
                     c0 = cpu_seconds(agent.pid) if agent else 0.0
                     s0 = cpu_seconds(server.pid)
@@ -160,7 +160,7 @@ def main() -> int:
                         row.update({k: float(v) for k, v in st.items()})
                         if st.get("spans"):
                             row["records_per_response"] = st["records"] / st["spans"]
-                    rows[name].append(row)
+                    done_rows.append(row)
                     print(f"round {rnd + 1} [{name}]: " + " ".join(
                         f"{k}={v:.3g}" for k, v in row.items()), flush=True)
         finally:
