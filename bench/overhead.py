@@ -106,7 +106,7 @@ def agent_command(mode: str, pid: int) -> list[str]:
     if mode.endswith("@base") and BASELINE:
         py = BASELINE
         sits = str(Path(BASELINE).parent / "sits-trace")
-        root = Path(BASELINE).resolve().parents[2]  # <checkout>/.venv/bin/python
+        root = Path(BASELINE).parents[2]  # <checkout>/.venv/bin/python (not resolved: a symlink)
         mode = mode[:-5]
     if mode == "kernel":  # probes and ring only: what the kernel half costs
         return [py, str(root / "bench" / "kernel_only.py"), "--pid", str(pid)]
