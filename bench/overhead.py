@@ -195,7 +195,9 @@ def main() -> int:
                     time.sleep(0.5)  # the agent finishes what the run left in the ring
                     agent_cpu = cpu_seconds(agent.pid) - c0
                     lines = stop_agent(agent)
-                    stats = lines[-1] if lines else ""
+                    # the stats line (older checkouts print more lines after it)
+                    stats = next((x for x in reversed(lines) if "spans=" in x or "records=" in x),
+                                 lines[-1] if lines else "")
                     if args.bpf_stats and mode == "kernel":
                         print("\n".join(lines[:-1]), flush=True)  # per-program run time
                     per_span = agent_us_per_span(agent_cpu, stats)
