@@ -156,7 +156,8 @@ def main() -> int:
                         row["agent_cores"] = (cpu_seconds(agent.pid) - c0) / (wall + 0.5)
                         agent.send_signal(signal.SIGINT)
                         _, err = agent.communicate(timeout=60)
-                        st = stats_of(err.strip().splitlines()[-1] if err.strip() else "")
+                        st = stats_of(next((x for x in reversed(err.strip().splitlines())
+                                            if "records=" in x), ""))
                         row.update({k: float(v) for k, v in st.items()})
                         if st.get("spans"):
                             row["records_per_response"] = st["records"] / st["spans"]

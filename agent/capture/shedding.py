@@ -31,11 +31,14 @@ sampler) is not the exchanges', and capturing fewer of them would not give it ba
 
 What is queued is controlled too, between intervals: every `queue_check_s` the backlog
 waiting in the ring is held against what the budget drains in `queue_s` (bytes the agent
-reads per CPU-second, learnt from busy intervals, times the budget). A backlog over that,
+reads per CPU-second, learnt from busy intervals, times the budget: 0.8 MB at 0.1 core
+before anything is learnt, so 200 SSE summaries landing together are no flood). A backlog
+over that,
 and still growing, raises the shift at once by ceil(log2(backlog / allowed)), so the ring
 does not hold seconds of exchanges captured before the shift rose (16 MiB of them, drained
 at a full core, was the 7x overshoot of issue 11). The interval that follows a queue raise
-counts as demand only what arrived meanwhile, not the drain; it then settles the shift.
+and those after it while the backlog still shrinks, count as demand only what arrived
+meanwhile, not the drain; then the interval rule settles the shift.
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ class LoadShedder:
                  min_exchanges_per_s: float = 50.0,
                  cpu_time: Callable[[], float] = time.process_time,
                  now: Callable[[], float] = time.monotonic,
-                 queue_s: float = 0.25, queue_check_s: float = 0.1,
-                 default_drain_bytes_per_cpu_s: float = 4e6) -> None:
+                 queue_s: float = 1.0, queue_check_s: float = 0.1,
+                 default_drain_bytes_per_cpu_s: float = 8e6) -> None:
         """`cpu_budget` in cores (0.5: half a core); 0 never sheds. `exchanges`: the
         kernel's count of exchanges offered so far (None: unknown, no rate floor)."""
         self._set = set_shift
@@ -146,7 +149,8 @@ class LoadShedder:
             # after a queue raise the reader spent the interval on the backlog captured
             # before it: only what arrived meanwhile is the new shift's cost
             demand = cores * max(0, got + waiting - self._wait0) / got
-            self._draining = False
+            # still draining while the backlog shrinks (a 16 MiB ring takes seconds)
+            self._draining = 0 < waiting < self._wait0
         rate = (ex - self._ex0) / dt if self._exchanges is not None else math.inf
         self._t0, self._c0, self._lost0, self._ex0 = t, c, lost, ex
         self._read0, self._wait0 = read, waiting

@@ -26,20 +26,20 @@ class Rig:
 
 def test_a_flood_that_queues_is_met_before_the_interval_ends() -> None:
     r = Rig()
-    assert r.s.queue_limit() == 100_000  # 4 MB per CPU-second x 0.1 core x 0.25 s
-    r.step(0.05, 1.0, 200_000, 500_000)  # too early for a check
+    assert r.s.queue_limit() == 800_000  # 8 MB per CPU-second x 0.1 core x 1 s
+    r.step(0.05, 1.0, 2_000_000, 5_000_000)  # too early for a check
     assert r.shifts == []
-    r.step(0.06, 1.0, 200_000, 2_000_000)  # 20x what 0.25 s of budget drains: 5 halvings
+    r.step(0.06, 1.0, 2_000_000, 16_000_000)  # 20x what 1 s of budget drains: 5 halvings
     assert r.shifts == [5] and r.s.state.queue_raised == 1
 
 
 def test_the_drain_after_a_queue_raise_does_not_raise_again() -> None:
     r = Rig()
-    r.step(0.11, 1.0, 200_000, 2_000_000)
+    r.step(0.11, 1.0, 2_000_000, 16_000_000)
     assert r.shifts == [5]
-    # the next second: a full core draining the 2 MB backlog while 1/32 of the flood arrives
-    for _ in range(10):
-        r.step(0.1, 1.0, 220_000, max(0, r.waiting - 200_000))
+    # the next seconds: a full core draining the 16 MB backlog while 1/32 of the flood arrives
+    for _ in range(20):
+        r.step(0.1, 1.0, 850_000, max(0, r.waiting - 800_000))
     assert r.s.state.shift == 5, r.shifts
 
 
@@ -47,6 +47,8 @@ def test_a_backlog_the_budget_drains_in_time_is_left_alone() -> None:
     r = Rig()
     for _ in range(9):
         r.step(0.1, 0.05, 50_000, 90_000)
+    r.step(0.05, 0.05, 0, 435_000)  # 200 stream summaries of 2 KiB at once
+    r.step(0.1, 0.05, 435_000, 0)
     assert r.shifts == []
 
 
@@ -54,7 +56,7 @@ def test_the_limit_follows_the_drain_rate_learnt_and_zero_budget_never_sheds() -
     r = Rig()
     r.step(1.0, 0.5, 10_000_000, 0)  # 20 MB per CPU-second measured on a busy interval
     assert r.s.state.drain_bytes_per_cpu_s == 20_000_000
-    assert r.s.queue_limit() == 500_000
+    assert r.s.queue_limit() == 2_000_000
     z = Rig(budget=0.0)
     z.step(0.2, 1.0, 1_000_000, 16_000_000)
     assert z.shifts == []
