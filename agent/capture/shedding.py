@@ -30,11 +30,10 @@ the ring: CPU spent while few records arrive (start-up, an exporter retrying, th
 sampler) is not the exchanges', and capturing fewer of them would not give it back.
 
 What is queued is controlled too, between intervals: every `queue_check_s` the backlog
-waiting in the ring is held against what the budget drains in `queue_s` (bytes the agent
-reads per CPU-second, learnt from busy intervals, times the budget: 0.8 MB at 0.1 core
-before anything is learnt, so 200 SSE summaries landing together are no flood). A backlog
-over that,
-and still growing, raises the shift at once by ceil(log2(backlog / allowed)), so the ring
+waiting in the ring is held against what the budget drains in `queue_s`: bytes the agent
+reads per CPU-second of exchange-driven work (learnt from busy intervals, never below the
+default) times the budget, 0.8 MB at 0.1 core by default, so 200 SSE summaries landing
+together are no flood. A backlog over that, and still growing, raises the shift at once by ceil(log2(backlog / allowed)), so the ring
 does not hold seconds of exchanges captured before the shift rose (16 MiB of them, drained
 at a full core, was the 7x overshoot of issue 11). The interval that follows a queue raise
 and those after it while the backlog still shrinks, count as demand only what arrived
@@ -97,6 +96,7 @@ class LoadShedder:
         self._q_t = self._t0
         self._draining = False  # a queue raise happened in this interval
         self._q_wait = 0  # backlog at the last queue check
+        self._default_drain = default_drain_bytes_per_cpu_s
         self.state.drain_bytes_per_cpu_s = default_drain_bytes_per_cpu_s
 
     def queue_limit(self) -> float:
@@ -160,11 +160,18 @@ class LoadShedder:
         busy = arrived >= self._min_bytes
         if not busy:
             self._learn_base(cores)
-        elif cores > 0.05 and got > 0:
-            st.drain_bytes_per_cpu_s = got / (cores * dt)
+        else:
+            self._learn_drain(got, cores - max(st.base_cores, 0.0), dt)
         if self.budget <= 0:
             return
         self._decide(max(0.0, demand - max(st.base_cores, 0.0)), busy, new_loss, rate)
+
+    def _learn_drain(self, got: int, driven: float, dt: float) -> None:
+        """Bytes read per CPU-second of exchange-driven work, from intervals where that work
+        is a fair share of the budget (an agent mostly idle would measure its fixed costs);
+        never below the default, so a burst the agent reads easily is not a flood."""
+        if got > 0 and driven > 0.25 * self.budget:
+            self.state.drain_bytes_per_cpu_s = max(self._default_drain, got / (driven * dt))
 
     def _learn_base(self, cores: float) -> None:
         """The fixed cost: falls at once to a lower quiet reading, rises slowly, and never

@@ -57,6 +57,9 @@ def test_the_limit_follows_the_drain_rate_learnt_and_zero_budget_never_sheds() -
     r.step(1.0, 0.5, 10_000_000, 0)  # 20 MB per CPU-second measured on a busy interval
     assert r.s.state.drain_bytes_per_cpu_s == 20_000_000
     assert r.s.queue_limit() == 2_000_000
+    idle = Rig()  # 0.05 core of mostly fixed cost reading 100 KB: not a measure of the drain
+    idle.step(1.0, 0.05, 100_000, 0)
+    assert idle.s.state.drain_bytes_per_cpu_s == 8_000_000
     z = Rig(budget=0.0)
     z.step(0.2, 1.0, 1_000_000, 16_000_000)
     assert z.shifts == []
