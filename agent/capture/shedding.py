@@ -33,9 +33,10 @@ What is queued is controlled too, between intervals: every `queue_check_s` the b
 waiting in the ring is held against what the budget drains in `queue_s`: bytes the agent
 reads per CPU-second of exchange-driven work (learnt from busy intervals, never below the
 default) times the budget, 0.8 MB at 0.1 core by default, so 200 SSE summaries landing
-together are no flood. A backlog over that, and still growing, raises the shift at once by ceil(log2(backlog / allowed)), so the ring
-does not hold seconds of exchanges captured before the shift rose (16 MiB of them, drained
-at a full core, was the 7x overshoot of issue 11). The interval that follows a queue raise
+together are no flood. A backlog over that, and still growing, raises the shift at once
+by ceil(log2(backlog / allowed)), so the ring does not hold seconds of exchanges captured
+before the shift rose (16 MiB of them, drained at a full core, was the 7x overshoot of
+issue 11). The interval that follows a queue raise
 and those after it while the backlog still shrinks, count as demand only what arrived
 meanwhile, not the drain; then the interval rule settles the shift.
 """
