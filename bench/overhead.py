@@ -198,7 +198,7 @@ def main() -> int:
                     # the stats line (older checkouts print more lines after it)
                     stats = next((x for x in reversed(lines) if "spans=" in x or "records=" in x),
                                  lines[-1] if lines else "")
-                    if args.bpf_stats and mode == "kernel":
+                    if args.bpf_stats and mode.startswith("kernel"):
                         print("\n".join(lines[:-1]), flush=True)  # per-program run time
                     per_span = agent_us_per_span(agent_cpu, stats)
                     on["agent_cpu_s"] = agent_cpu
