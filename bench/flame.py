@@ -6,7 +6,7 @@
 nginx (`return 200`) under wrk with each of `--connections` pacing `--paced-ms` between
 requests (20 x 2 ms: about 10k requests/s asked); the agent (`--python`'s checkout, default
 this one) runs `trace --json --pid <nginx> --cpu-budget 0` and py-spy records it for
-`--seconds`. Prints the spans/s it traced and its CPU per span. Needs py-spy (PyPI) in the venv.
+`--seconds` (an --out ending in .txt gets collapsed stacks instead of an SVG). Prints the spans/s it traced and its CPU per span. Needs py-spy (PyPI) in the venv.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def main() -> int:
                                    stdout=subprocess.PIPE, text=True)
             time.sleep(2)
             c0 = overhead.cpu_seconds(agent.pid)
-            subprocess.run([pyspy, "record", "-o", a.out, "-d", str(a.seconds), "-r", "200",
+            fmt = ["--format", "raw"] if a.out.endswith(".txt") else []  # collapsed stacks
+            subprocess.run([pyspy, "record", "-o", a.out, *fmt, "-d", str(a.seconds), "-r", "200",
                             "--pid", str(agent.pid), "--nonblocking"], check=True,
                            capture_output=True)
             cpu = overhead.cpu_seconds(agent.pid) - c0
