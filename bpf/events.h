@@ -144,7 +144,7 @@ struct stream_event {
     __u32 writes;         /* folded writes carrying body bytes */
     __u32 events;         /* of them, writes whose chunk data begins with `data:` */
     __u32 inexact;        /* of them, writes that were not exactly one chunk */
-    __u32 runq_us;        /* as in data_event, at the last folded write */
+    __u32 runq_us;        /* 0 for now (not read: it doubled the verifier's paths) */
     __u16 tail0_len;
     __u16 tail1_len;
     __u8 tail_last;       /* 0/1: the slot holding the newest write */

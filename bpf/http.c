@@ -350,10 +350,14 @@ static __always_inline int io_exit(long ret)
     if (!capture_exchange(id >> 32, st, a.direction, ret))
         return 0;
     __u64 now = bpf_ktime_get_ns();
-    if (a.direction == 1 &&
-        stream_write(id, a.conn, st, first, a.iovcnt || a.source == SRC_SENDFILE ? 0 : a.buf,
-                     ret, a.ts_ns, now, 0))
-        return 0;
+    /* plain writes may be folded; the iovec copy below never follows a fold attempt, which
+     * keeps the verifier's paths through this program apart */
+    if (a.direction == 1 && !a.iovcnt && a.source != SRC_SENDFILE) {
+        if (stream_write(id, a.conn, st, first, a.buf, ret, a.ts_ns, now, 0))
+            return 0;
+    } else if (a.direction == 1) {
+        stream_cut(a.conn, st, first);
+    }
     struct data_event *ev = data_event_init(id, st->conn_id, st->role);
     if (!ev)
         return 0;

@@ -206,13 +206,20 @@ static __always_inline int stream_write(__u64 id, __u64 key, struct conn_state *
         st->agg = 1;
     }
     s->tid = (__u32)id;
-    s->runq_us = (__u32)(runq_snapshot(id) / 1000);
+    /* runq_us stays 0: a run-queue read here doubled the verifier's paths (sched.c on) */
     if (stream_add(s, buf, len, t_enter, t_exit, head)) {
         stream_flush(key, st, STREAM_END_TERMINATOR);
     } else if (t_exit - s->first_enter_ns > SITS_STREAM_FLUSH_NS) {
         stream_flush(key, st, STREAM_END_FLUSH);
     }
     return 1;
+}
+
+/* A write that cannot be folded (iovec, sendfile): send what was folded before it. */
+static __always_inline void stream_cut(__u64 key, struct conn_state *st, int first)
+{
+    if (st->agg)
+        stream_flush(key, st, first ? STREAM_END_NEXT : STREAM_END_FLUSH);
 }
 
 /* A read on the connection, or its close: a response being folded has ended. */
@@ -229,6 +236,7 @@ static __always_inline int stream_write(__u64 id, __u64 key, struct conn_state *
     return 0;
 }
 static __always_inline void stream_end(__u64 key, struct conn_state *st, __u8 end) {}
+static __always_inline void stream_cut(__u64 key, struct conn_state *st, int first) {}
 #endif
 
 #endif /* SITS_STREAM_H */
