@@ -12,12 +12,10 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-
 from sits_trace.agent.capture import events as ev
 from sits_trace.agent.capture.loader import RecordedSource
 
@@ -109,9 +107,9 @@ def test_500_token_stream_two_records_one_span(tmp_path: Path) -> None:
     response = []
     for raw in records:
         e = ev.decode(raw) if raw[:4] in (b"\x03\x00\x00\x00", b"\x0c\x00\x00\x00") else None
-        if isinstance(e, ev.DataEvent) and e.pid == server.pid and e.direction == 1:
-            response.append(e)
-        elif isinstance(e, ev.StreamEvent) and e.pid == server.pid:
+        if e is None or e.pid != server.pid:
+            continue
+        if isinstance(e, ev.StreamEvent) or (isinstance(e, ev.DataEvent) and e.direction == 1):
             response.append(e)
     assert len(response) <= 2, [type(x).__name__ for x in response]
     summary = [x for x in response if isinstance(x, ev.StreamEvent)]
