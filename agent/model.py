@@ -71,6 +71,24 @@ class Chunk:
 
 
 @dataclass(slots=True)
+class StreamChunk:
+    """Body writes of one response folded in the kernel (bpf/stream.h): what the parser
+    would have counted from each of them, and the first bytes of the last two."""
+
+    direction: Direction
+    writes: int  # writes that carried body bytes
+    events: int  # of them, writes whose chunk data began with `data:` (SSE events)
+    first_enter_ns: int
+    last_exit_ns: int
+    max_gap_ns: int  # largest pause between two of the folded writes
+    body_bytes: int
+    wire_bytes: int
+    end_ns: int  # exit of the write that ended the response; 0 when it has not ended
+    complete: bool  # the response ended within or right after these writes
+    tails: tuple[bytes, bytes]  # oldest first, chunk framing kept
+
+
+@dataclass(slots=True)
 class RequestHead:
     method: str
     target: str  # request-target as sent, e.g. "/v1/completions?x=1"

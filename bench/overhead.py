@@ -8,6 +8,9 @@ and serialisation are in the cost. Its stats line says whether events were lost.
 
 Usage: bench/overhead.py [--pairs 5] [--seconds 5] [--connections 50] [--threads 1] [--paced-ms N]
                          [--mode trace] [--mode full] [--mode kernel] [--bpf-stats]
+                         [--baseline /path/to/other/.venv/bin/python]
+With --baseline, each mode also runs as "<mode>@base" with that interpreter (another checkout's
+venv, e.g. main's), interleaved in the same rounds: before/after under the same noise.
 Writes a JSON summary to bench/results/overhead-<time>.json and prints it.
 """
 
@@ -95,10 +98,19 @@ def run_wrk(port: int, seconds: int, conns: int, threads: int) -> dict[str, floa
 CPU_BUDGET: str | None = None
 
 
+BASELINE: str | None = None  # --baseline: another checkout's python, for "<mode>@base"
+
+
 def agent_command(mode: str, pid: int) -> list[str]:
+    py, sits, root = sys.executable, SITS, ROOT
+    if mode.endswith("@base") and BASELINE:
+        py = BASELINE
+        sits = str(Path(BASELINE).parent / "sits-trace")
+        root = Path(BASELINE).parents[2]  # <checkout>/.venv/bin/python (not resolved: a symlink)
+        mode = mode[:-5]
     if mode == "kernel":  # probes and ring only: what the kernel half costs
-        return [sys.executable, str(ROOT / "bench" / "kernel_only.py"), "--pid", str(pid)]
-    cmd = [SITS, "trace", "--json", "--pid", str(pid)]
+        return [py, str(root / "bench" / "kernel_only.py"), "--pid", str(pid)]
+    cmd = [sits, "trace", "--json", "--pid", str(pid)]
     if mode == "full":  # capture every exchange, whatever it costs
         return [*cmd, "--cpu-budget", "0"]
     return [*cmd, "--cpu-budget", CPU_BUDGET] if CPU_BUDGET else cmd
@@ -145,6 +157,8 @@ def main() -> int:
                          "everything (full: --cpu-budget 0), or only its kernel programs and a "
                          "ring drain (kernel); repeat to interleave several in each round")
     ap.add_argument("--cpu-budget", help="the agent's trace.cpu_budget in trace mode")
+    ap.add_argument("--baseline", help="python of another checkout's venv: every mode also runs "
+                                       "as <mode>@base with it, interleaved")
     ap.add_argument("--bpf-stats", action="store_true",
                     help="kernel mode: count BPF program run time (sysctl "
                          "kernel.bpf_stats_enabled=1 while it runs) and print it per program")
@@ -152,6 +166,10 @@ def main() -> int:
                     help="pace each connection (wrk delay() in ms): a steady load below saturation")
     args = ap.parse_args()
     modes = args.mode or ["trace"]
+    global BASELINE
+    BASELINE = args.baseline
+    if BASELINE:
+        modes = [m for mode in modes for m in (mode, f"{mode}@base")]
     stats_knob = Path("/proc/sys/kernel/bpf_stats_enabled")
     if args.bpf_stats:
         stats_knob.write_text("1")
@@ -177,8 +195,10 @@ def main() -> int:
                     time.sleep(0.5)  # the agent finishes what the run left in the ring
                     agent_cpu = cpu_seconds(agent.pid) - c0
                     lines = stop_agent(agent)
-                    stats = lines[-1] if lines else ""
-                    if args.bpf_stats and mode == "kernel":
+                    # the stats line (older checkouts print more lines after it)
+                    stats = next((x for x in reversed(lines) if "spans=" in x or "records=" in x),
+                                 lines[-1] if lines else "")
+                    if args.bpf_stats and mode.startswith("kernel"):
                         print("\n".join(lines[:-1]), flush=True)  # per-program run time
                     per_span = agent_us_per_span(agent_cpu, stats)
                     on["agent_cpu_s"] = agent_cpu

@@ -54,6 +54,7 @@ enum sits_kind {
     EV_CUDA_COPY = 9,  /* cuda.c: one host<->device copy (struct cuda_copy_event) */
     EV_CUDA_MEM = 10,  /* cuda.c: an allocation or free (struct cuda_mem_event) */
     EV_CUDA_INIT = 11, /* cuda.c: cuInit (struct cuda_init_event) */
+    EV_STREAM = 12,    /* stream.h: the folded body writes of a streamed response */
     EV_KIND_MAX = 16,
 };
 
@@ -118,6 +119,42 @@ struct data_event {
 #define DATA_GAP 0x80
 #define DATA_LOST 0x40
 
+#ifndef SITS_STREAM_TAIL
+#define SITS_STREAM_TAIL 1024 /* bytes kept of each of a stream's last two writes */
+#endif
+
+/* EV_STREAM: the body writes of one streamed response after its head, folded in the
+ * kernel (stream.h). Gaps are from a write's entry to the previous write's exit. */
+struct stream_event {
+    __u32 kind;
+    __u32 tgid;
+    __u64 conn_id;
+    __u64 ssl;            /* SSL* for TLS plaintext, 0 otherwise */
+    __u64 first_enter_ns; /* first folded write carrying body bytes */
+    __u64 first_exit_ns;
+    __u64 last_enter_ns;  /* last folded write carrying body bytes */
+    __u64 last_exit_ns;
+    __u64 end_ns;         /* exit of the write that ended with 0\r\n\r\n; 0: not seen */
+    __u64 max_gap_ns;     /* largest pause between two folded body writes */
+    __u64 sum_gap_ns;     /* all pauses between folded body writes */
+    __u64 wire_bytes;     /* bytes written, chunk framing included */
+    __u64 body_bytes;     /* chunk data bytes (wire bytes for inexact writes) */
+    __u32 tid;
+    __s32 fd;
+    __u32 writes;         /* folded writes carrying body bytes */
+    __u32 events;         /* of them, writes whose chunk data begins with `data:` */
+    __u32 inexact;        /* of them, writes that were not exactly one chunk */
+    __u32 runq_us;        /* 0 for now (not read: it doubled the verifier's paths) */
+    __u16 tail0_len;
+    __u16 tail1_len;
+    __u8 tail_last;       /* 0/1: the slot holding the newest write */
+    __u8 end;             /* enum stream_end (stream.h) */
+    __u8 role;
+    __u8 source;
+    char tail0[SITS_STREAM_TAIL];
+    char tail1[SITS_STREAM_TAIL];
+};
+
 /* EV_PROC_EXEC / EV_PROC_EXIT: lets the agent find libraries in new processes */
 struct proc_event {
     __u32 kind;
@@ -140,6 +177,8 @@ struct conn_state {
     __u8 shift;    /* the current exchange was captured as 1 in 2^shift */
     __u8 lost;     /* a record of this connection failed to reserve since the last one sent */
     __u8 dribble;  /* small request reads in the current exchange (slowloris bound) */
+    __u8 agg;      /* a streamed response is being folded in `streams` (stream.h) */
+    __u8 _pad[7];
 };
 
 BPF_RINGBUF_OUTPUT(events, SITS_RINGBUF_PAGES);
@@ -257,6 +296,33 @@ static __always_inline int submit(void *rec, __u64 size, int kind)
         return -1;
     }
     return 0;
+}
+
+/* Processes that own a traced connection, one bit per tgid (PID_MAX_LIMIT is 2^22 on
+ * 64-bit). An array lookup the verifier inlines: a read or write of any other process
+ * (a load generator beside the traced server) returns after a few instructions, before
+ * any hash lookup. Set when a connection is registered, cleared when the process exits. */
+#define SITS_TGID_WORDS 65536
+BPF_ARRAY(conn_tgids, __u64, SITS_TGID_WORDS);
+
+static __always_inline int has_conns(__u32 tgid)
+{
+    __u32 i = (tgid >> 6) & (SITS_TGID_WORDS - 1);
+    __u64 *w = conn_tgids.lookup(&i);
+    return w && ((*w >> (tgid & 63)) & 1);
+}
+
+static __always_inline void mark_conns(__u32 tgid, int on)
+{
+    __u32 i = (tgid >> 6) & (SITS_TGID_WORDS - 1);
+    __u64 *w = conn_tgids.lookup(&i);
+    __u64 bit = 1ULL << (tgid & 63);
+    if (!w)
+        return;
+    if (on && !(*w & bit))
+        __sync_fetch_and_or(w, bit);
+    else if (!on && (*w & bit))
+        __sync_fetch_and_and(w, ~bit);
 }
 
 /* Should events of this process be traced at all? */

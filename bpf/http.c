@@ -11,6 +11,7 @@
  */
 #include "events.h"
 #include "sockio.h"
+#include "stream.h"
 
 #ifndef SITS_MAX_IOV
 #define SITS_MAX_IOV 32 /* node corks 4 iovecs a chunk; hyper writes up to 16 buffers */
@@ -122,6 +123,7 @@ static __always_inline void register_conn(__u32 tgid, int fd, __u8 role, __u64 u
     st.conn_id = new_conn_id();
     st.role = role;
     conns.update(&key, &st);
+    mark_conns(tgid, 1);
     emit_conn(EV_CONN_OPEN, tgid, fd, &st, uaddr, lfd);
 }
 
@@ -221,6 +223,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
         __u64 ssl = st->ssl;
         ssl_conns.delete(&ssl);
     }
+    stream_end(key, st, STREAM_END_CLOSE);
     emit_conn(EV_CONN_CLOSE, tgid, args->fd, st, 0, -1);
     conns.delete(&key);
     return 0;
@@ -231,6 +234,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
 static __always_inline int io_enter(int fd, __u64 buf, __u32 iovcnt, __u8 dir, __u8 src)
 {
     __u64 id = bpf_get_current_pid_tgid();
+    if (!has_conns(id >> 32))
+        return 0;
     __u64 key = conn_key(id >> 32, fd);
     struct conn_state *st = conns.lookup(&key);
     if (!st)
@@ -254,9 +259,9 @@ static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 io
     for (int i = 0; i < SITS_MAX_IOV; i++) {
         if (i >= iovcnt || off >= total || off >= SITS_MAX_PAYLOAD)
             break;
-        __u64 base = 0, len = 0;
-        bpf_probe_read_user(&base, sizeof(base), (void *)(iov + i * 16));
-        bpf_probe_read_user(&len, sizeof(len), (void *)(iov + i * 16 + 8));
+        __u64 ent[2] = {}; /* struct iovec: base, len; one read per entry */
+        bpf_probe_read_user(ent, sizeof(ent), (void *)(iov + i * 16));
+        __u64 base = ent[0], len = ent[1];
         __u64 room = SITS_MAX_PAYLOAD - off;
         if (len > room)
             len = room;
@@ -307,6 +312,8 @@ static __always_inline void tie_written_ssl(struct thread_io *t, struct conn_sta
 static __always_inline int io_exit(long ret)
 {
     __u64 id = bpf_get_current_pid_tgid();
+    if (!has_conns(id >> 32))
+        return 0;
     struct thread_io *t = thread_state(id, 0);
     if (!t || !t->io_active)
         return 0;
@@ -337,15 +344,27 @@ static __always_inline int io_exit(long ret)
     }
     if (st->tls)
         return 0; /* a memory-BIO TLS connection: tls.c emits the plaintext */
+    int first = st->last_dir != a.direction + 1;
+    if (a.direction == 0)
+        stream_end(a.conn, st, STREAM_END_NEXT);
     if (!capture_exchange(id >> 32, st, a.direction, ret))
         return 0;
+    __u64 now = bpf_ktime_get_ns();
+    /* plain writes may be folded; the iovec copy below never follows a fold attempt, which
+     * keeps the verifier's paths through this program apart */
+    if (a.direction == 1 && !a.iovcnt && a.source != SRC_SENDFILE) {
+        if (stream_write(id, a.conn, st, first, a.buf, ret, a.ts_ns, now, 0))
+            return 0;
+    } else if (a.direction == 1) {
+        stream_cut(a.conn, st, first);
+    }
     struct data_event *ev = data_event_init(id, st->conn_id, st->role);
     if (!ev)
         return 0;
     ev->flags = capture_flags(st);
     ev->fd = (__s32)(__u32)a.conn;
     ev->ts_enter_ns = a.ts_ns;
-    ev->ts_exit_ns = bpf_ktime_get_ns();
+    ev->ts_exit_ns = now;
     ev->len = ret;
     ev->direction = a.direction;
     ev->source = a.source;
@@ -488,6 +507,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     __u64 id = bpf_get_current_pid_tgid();
     if ((__u32)id != (id >> 32))
         return 0; /* a thread, not the process */
+    mark_conns(id >> 32, 0);
     emit_proc(EV_PROC_EXIT);
     return 0;
 }

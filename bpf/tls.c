@@ -18,6 +18,7 @@
  */
 #include "events.h"
 #include "sockio.h"
+#include "stream.h"
 
 static __always_inline int ssl_enter(struct pt_regs *ctx, __u8 dir, int ex)
 {
@@ -122,8 +123,16 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
         return 0;
     __u64 key = 0;
     struct conn_state *st = ssl_conn(t, a.ssl, &key);
-    if (st && !capture_exchange(id >> 32, st, a.direction, len))
-        return 0;
+    __u64 now = bpf_ktime_get_ns();
+    if (st) {
+        int first = st->last_dir != a.direction + 1;
+        if (a.direction == 0)
+            stream_end(key, st, STREAM_END_NEXT);
+        if (!capture_exchange(id >> 32, st, a.direction, len))
+            return 0;
+        if (a.direction == 1 && stream_write(id, key, st, first, a.buf, len, a.ts_ns, now, a.ssl))
+            return 0;
+    }
     struct data_event *ev = data_event_init(id, st ? st->conn_id : 0, st ? st->role : ROLE_UNKNOWN);
     if (!ev)
         return 0;
@@ -131,7 +140,7 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
     ev->fd = st ? (__s32)(__u32)key : -1;
     ev->ssl = a.ssl;
     ev->ts_enter_ns = a.ts_ns;
-    ev->ts_exit_ns = bpf_ktime_get_ns();
+    ev->ts_exit_ns = now;
     ev->len = len;
     ev->direction = a.direction;
     ev->source = SRC_TLS;

@@ -27,10 +27,37 @@ class MapAccess(Protocol):
 class BccMaps:
     """MapAccess over a loaded bcc.BPF object."""
 
+    _PERCPU_TYPES = frozenset({5, 6, 10})  # BPF_MAP_TYPE_PERCPU_HASH, _ARRAY, LRU_PERCPU_HASH
+
     def __init__(self, bpf: Any) -> None:
         self._bpf = bpf
+        # per map: (fd, key buffer, value buffer) for one bpf(2) lookup with no allocation,
+        # or None where BCC's own path is needed (per-CPU values); span annotators look up
+        # a map per span, and BCC's __getitem__ allocated and converted each time
+        self._fast: dict[str, tuple[int, Any, Any] | None] = {}
+        try:
+            from bcc.libbcc import lib
+        except ImportError:
+            lib = None
+        self._lib = lib
+
+    def _prepare(self, name: str) -> tuple[int, Any, Any] | None:
+        t = self._bpf[name]
+        if self._lib is None or getattr(t, "ttype", 5) in self._PERCPU_TYPES:
+            return None
+        return (int(t.map_fd), ctypes.create_string_buffer(ctypes.sizeof(t.Key)),
+                ctypes.create_string_buffer(ctypes.sizeof(t.Leaf)))
 
     def lookup(self, name: str, key: bytes) -> bytes | None:
+        if name not in self._fast:
+            self._fast[name] = self._prepare(name)
+        fast = self._fast[name]
+        if fast is not None and len(key) == len(fast[1]):
+            fd, kbuf, vbuf = fast
+            ctypes.memmove(kbuf, key, len(key))
+            if self._lib.bpf_lookup_elem(fd, kbuf, vbuf) != 0:
+                return None
+            return bytes(vbuf.raw)
         t = self._bpf[name]
         try:
             return bytes(t[t.Key.from_buffer_copy(key)])

@@ -22,19 +22,41 @@ from .wire import (
     DATA_HDR_SIZE,
     DATA_LOST,
     DATA_SAMPLE_SHIFT,
+    STREAM_TAIL,
     TASK_COMM_LEN,
     ConnEventC,
     DataEventHdrC,
     Kind,
     ProcEventC,
     Source,
+    StreamEnd,
+    StreamEventC,
 )
 
 __all__ = [  # the wire names decoders and tests reach through this module
-    "AF_INET", "AF_INET6", "DATA_GAP", "DATA_HDR_SIZE", "DATA_LOST", "DATA_SAMPLE_SHIFT",
+    "AF_INET",
+    "AF_INET6",
+    "DATA_GAP",
+    "DATA_HDR_SIZE",
+    "DATA_LOST",
+    "DATA_SAMPLE_SHIFT",
+    "STREAM_TAIL",
     "TASK_COMM_LEN",
-    "ConnEvent", "ConnEventC", "DataEvent", "DataEventHdrC", "DecodeError", "Event", "Kind",
-    "ProcEvent", "ProcEventC", "Source", "decode", "format_address",
+    "ConnEvent",
+    "ConnEventC",
+    "DataEvent",
+    "DataEventHdrC",
+    "DecodeError",
+    "Event",
+    "Kind",
+    "ProcEvent",
+    "ProcEventC",
+    "Source",
+    "StreamEnd",
+    "StreamEvent",
+    "StreamEventC",
+    "decode",
+    "format_address",
 ]
 
 _DATA_KIND = int(Kind.DATA).to_bytes(4, "little")
@@ -80,6 +102,34 @@ class DataEvent:
 
 
 @dataclass(slots=True)
+class StreamEvent:
+    """The body writes of one streamed response after its head, folded in the kernel."""
+
+    pid: int
+    tid: int
+    conn_id: int
+    fd: int
+    ssl: int
+    role: Role
+    source: Source
+    end: StreamEnd
+    writes: int  # writes that carried body bytes
+    events: int  # of them, writes whose chunk data began with `data:` (SSE)
+    inexact: int  # of them, writes that were not exactly one chunk (bytes counted raw)
+    first_enter_ns: int
+    first_exit_ns: int
+    last_enter_ns: int
+    last_exit_ns: int
+    end_ns: int  # exit of the write that ended the chunked body; 0 when not seen
+    max_gap_ns: int
+    sum_gap_ns: int
+    wire_bytes: int
+    body_bytes: int
+    tails: tuple[bytes, bytes]  # first bytes of the last two body writes, oldest first, as written
+    runq_us: int = 0
+
+
+@dataclass(slots=True)
 class ProcEvent:
     kind: Kind
     pid: int
@@ -87,7 +137,7 @@ class ProcEvent:
     comm: str
 
 
-Event = ConnEvent | DataEvent | ProcEvent
+Event = ConnEvent | DataEvent | ProcEvent | StreamEvent
 
 
 class DecodeError(ValueError):
@@ -138,6 +188,30 @@ def _decode_data(raw: bytes) -> DataEvent:
     )
 
 
+_STREAM_HDR = struct.Struct("<II11QIiIIIIHHBBBB")  # StreamEventC up to tail0, checked by a test
+STREAM_SIZE = ctypes.sizeof(StreamEventC)
+_STREAM_ENDS = {int(e): e for e in StreamEnd}
+
+
+def _decode_stream(raw: bytes) -> StreamEvent:
+    (_, tgid, conn_id, ssl, f_enter, f_exit, l_enter, l_exit, end_ns, max_gap, sum_gap, wire,
+     body, tid, fd, writes, events, inexact, runq_us, len0, len1, last, end, role, source
+     ) = _STREAM_HDR.unpack_from(raw)
+    if end not in _STREAM_ENDS or role > 2 or source > 2 or last > 1 or max(len0, len1) > STREAM_TAIL:
+        raise DecodeError(f"stream record: end={end} role={role} source={source} tails={len0},{len1}")
+    base = _STREAM_HDR.size
+    t0 = raw[base:base + len0]
+    t1 = raw[base + STREAM_TAIL:base + STREAM_TAIL + len1]
+    return StreamEvent(
+        pid=tgid, tid=tid, conn_id=conn_id, fd=fd, ssl=ssl, role=_ROLES[role],
+        source=_SOURCES[source], end=_STREAM_ENDS[end], writes=writes, events=events,
+        inexact=inexact, first_enter_ns=f_enter, first_exit_ns=f_exit, last_enter_ns=l_enter,
+        last_exit_ns=l_exit, end_ns=end_ns, max_gap_ns=max_gap, sum_gap_ns=sum_gap,
+        wire_bytes=wire, body_bytes=body, tails=(t0, t1) if last == 1 else (t1, t0),
+        runq_us=runq_us,
+    )
+
+
 def _decode_proc(raw: bytes) -> ProcEvent:
     p = ProcEventC.from_buffer_copy(raw[: ctypes.sizeof(ProcEventC)])
     return ProcEvent(kind=Kind(p.kind), pid=p.tgid, ts_ns=p.ts_ns,
@@ -150,6 +224,7 @@ _MIN_SIZE = {
     Kind.DATA: DATA_HDR_SIZE,
     Kind.PROC_EXEC: ctypes.sizeof(ProcEventC),
     Kind.PROC_EXIT: ctypes.sizeof(ProcEventC),
+    Kind.STREAM: STREAM_SIZE,
 }
 
 
@@ -172,6 +247,8 @@ def decode(raw: bytes) -> Event:
             return _decode_data(raw)
         if kind in (Kind.CONN_OPEN, Kind.CONN_CLOSE):
             return _decode_conn(raw)
+        if kind is Kind.STREAM:
+            return _decode_stream(raw)
         return _decode_proc(raw)
     except ValueError as exc:  # an enum field out of range
         raise DecodeError(str(exc)) from exc

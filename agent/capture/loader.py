@@ -121,6 +121,14 @@ class Kernel:
         leaf.conn_id = conn_id
         leaf.role = role
         table[table.Key((pid << 32) | fd)] = leaf
+        self._mark_conns(pid)
+
+    def _mark_conns(self, pid: int) -> None:
+        """Set the process's bit in `conn_tgids` (bpf/events.h): its reads and writes are
+        looked at; every other process's return after a bit test."""
+        table = self.bpf["conn_tgids"]
+        key = table.Key((pid >> 6) & 0xFFFF)
+        table[key] = table.Leaf(int(table[key].value) | (1 << (pid & 63)))
 
     def forget_pid(self, pid: int, fds: Sequence[int]) -> None:
         table = self.bpf["conns"]

@@ -28,6 +28,17 @@ offered (captured + skipped, bpf/events.h `exchange_seq`):
 It raises the shift only for an interval in which the agent read at least `min_bytes` from
 the ring: CPU spent while few records arrive (start-up, an exporter retrying, the GPU
 sampler) is not the exchanges', and capturing fewer of them would not give it back.
+
+What is queued is controlled too, between intervals: every `queue_check_s` the backlog
+waiting in the ring is held against what the budget drains in `queue_s`: bytes the agent
+reads per CPU-second of exchange-driven work (learnt from busy intervals, never below the
+default) times the budget, 0.8 MB at 0.1 core by default, so 200 SSE summaries landing
+together are no flood. A backlog over that, and still growing, raises the shift at once
+by ceil(log2(backlog / allowed)), so the ring does not hold seconds of exchanges captured
+before the shift rose (16 MiB of them, drained at a full core, was the 7x overshoot of
+issue 11). The interval that follows a queue raise
+and those after it while the backlog still shrinks, count as demand only what arrived
+meanwhile, not the drain; then the interval rule settles the shift.
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ class SheddingState:
     exchanges_per_s: float = 0.0  # offered over the last interval (captured + skipped)
     raised: int = 0  # times the shift went up
     lowered: int = 0
+    queue_raised: int = 0  # of the raises, those made because the ring's backlog grew
+    drain_bytes_per_cpu_s: float = 0.0  # learnt: ring bytes the agent reads per CPU-second
 
 
 class LoadShedder:
@@ -58,7 +71,9 @@ class LoadShedder:
                  exchanges: Callable[[], int] | None = None,
                  min_exchanges_per_s: float = 50.0,
                  cpu_time: Callable[[], float] = time.process_time,
-                 now: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], float] = time.monotonic,
+                 queue_s: float = 1.0, queue_check_s: float = 0.1,
+                 default_drain_bytes_per_cpu_s: float = 8e6) -> None:
         """`cpu_budget` in cores (0.5: half a core); 0 never sheds. `exchanges`: the
         kernel's count of exchanges offered so far (None: unknown, no rate floor)."""
         self._set = set_shift
@@ -77,13 +92,50 @@ class LoadShedder:
         self._lost0 = lost()
         self._read0, self._wait0 = ring()
         self._ex0 = exchanges() if exchanges is not None else 0
+        self._queue_s = queue_s
+        self._queue_check = queue_check_s
+        self._q_t = self._t0
+        self._draining = False  # a queue raise happened in this interval
+        self._q_wait = 0  # backlog at the last queue check
+        self._default_drain = default_drain_bytes_per_cpu_s
+        self.state.drain_bytes_per_cpu_s = default_drain_bytes_per_cpu_s
+
+    def queue_limit(self) -> float:
+        """Backlog bytes the budget drains in queue_s (never below min_bytes)."""
+        return max(float(self._min_bytes),
+                   self.state.drain_bytes_per_cpu_s * self.budget * self._queue_s)
+
+    def _check_queue(self, t: float) -> None:
+        if t - self._q_t < self._queue_check or self.budget <= 0:
+            return
+        self._q_t = t
+        st = self.state
+        waiting = self._ring()[1]
+        limit = self.queue_limit()
+        grew = waiting > self._q_wait
+        self._q_wait = waiting
+        # a backlog over the limit that shrinks is one queued before the last raise draining
+        if waiting <= limit or not grew or st.shift >= MAX_SHIFT:
+            return
+        st.shift = min(MAX_SHIFT, st.shift + max(1, math.ceil(math.log2(waiting / limit))))
+        st.raised += 1
+        st.queue_raised += 1
+        self._set(st.shift)
+        # the next interval is measured from here, as a drain of what was queued before
+        self._t0, self._c0, self._lost0 = t, self._cpu(), self._lost()
+        self._read0, self._wait0 = self._ring()
+        self._ex0 = self._exchanges() if self._exchanges is not None else 0
+        self._draining = True
 
     def tick(self) -> None:
-        """Call often (every ring read); acts once per interval."""
+        """Call often (every ring read); acts once per interval, and on the backlog once
+        per queue_check_s."""
         t = self._now()
         dt = t - self._t0
         if dt < self._interval:
+            self._check_queue(t)
             return
+        self._q_t = t
         c = self._cpu()
         lost = self._lost()
         read, waiting = self._ring()
@@ -94,6 +146,12 @@ class LoadShedder:
         got = read - self._read0
         arrived = got + max(0, waiting - self._wait0)
         demand = cores * (arrived / got if got > 0 and arrived > got else 1.0)
+        if self._draining and got > 0:
+            # after a queue raise the reader spent the interval on the backlog captured
+            # before it: only what arrived meanwhile is the new shift's cost
+            demand = cores * max(0, got + waiting - self._wait0) / got
+            # still draining while the backlog shrinks (a 16 MiB ring takes seconds)
+            self._draining = 0 < waiting < self._wait0
         rate = (ex - self._ex0) / dt if self._exchanges is not None else math.inf
         self._t0, self._c0, self._lost0, self._ex0 = t, c, lost, ex
         self._read0, self._wait0 = read, waiting
@@ -103,9 +161,18 @@ class LoadShedder:
         busy = arrived >= self._min_bytes
         if not busy:
             self._learn_base(cores)
+        else:
+            self._learn_drain(got, cores - max(st.base_cores, 0.0), dt)
         if self.budget <= 0:
             return
         self._decide(max(0.0, demand - max(st.base_cores, 0.0)), busy, new_loss, rate)
+
+    def _learn_drain(self, got: int, driven: float, dt: float) -> None:
+        """Bytes read per CPU-second of exchange-driven work, from intervals where that work
+        is a fair share of the budget (an agent mostly idle would measure its fixed costs);
+        never below the default, so a burst the agent reads easily is not a flood."""
+        if got > 0 and driven > 0.25 * self.budget:
+            self.state.drain_bytes_per_cpu_s = max(self._default_drain, got / (driven * dt))
 
     def _learn_base(self, cores: float) -> None:
         """The fixed cost: falls at once to a lower quiet reading, rises slowly, and never

@@ -41,6 +41,16 @@ class Kind(enum.IntEnum):
     CUDA_COPY = 9  # decoded by signals/cuda
     CUDA_MEM = 10  # decoded by signals/cuda
     CUDA_INIT = 11  # decoded by signals/cuda
+    STREAM = 12  # the folded body writes of a streamed response (bpf/stream.h)
+
+
+class StreamEnd(enum.IntEnum):
+    """Why the kernel sent a stream summary (bpf/stream.h enum stream_end)."""
+
+    TERMINATOR = 1  # a write ended with the chunked terminator: the response is complete
+    NEXT = 2  # the next request was read (or the next response began): the response had ended
+    CLOSE = 3  # the connection closed
+    FLUSH = 4  # time, or a write it could not fold: more of the response follows
 
 
 class Source(enum.IntEnum):
@@ -104,6 +114,41 @@ class ProcEventC(ctypes.Structure):
 
 
 DATA_HDR_SIZE = ctypes.sizeof(DataEventHdrC)
+STREAM_TAIL = 1024  # SITS_STREAM_TAIL: bytes kept of each of a stream's last two writes
+
+
+class StreamEventC(ctypes.Structure):
+    """struct stream_event (EV_STREAM): a streamed response's body writes, folded."""
+
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("tgid", ctypes.c_uint32),
+        ("conn_id", ctypes.c_uint64),
+        ("ssl", ctypes.c_uint64),
+        ("first_enter_ns", ctypes.c_uint64),
+        ("first_exit_ns", ctypes.c_uint64),
+        ("last_enter_ns", ctypes.c_uint64),
+        ("last_exit_ns", ctypes.c_uint64),
+        ("end_ns", ctypes.c_uint64),
+        ("max_gap_ns", ctypes.c_uint64),
+        ("sum_gap_ns", ctypes.c_uint64),
+        ("wire_bytes", ctypes.c_uint64),
+        ("body_bytes", ctypes.c_uint64),
+        ("tid", ctypes.c_uint32),
+        ("fd", ctypes.c_int32),
+        ("writes", ctypes.c_uint32),
+        ("events", ctypes.c_uint32),
+        ("inexact", ctypes.c_uint32),
+        ("runq_us", ctypes.c_uint32),
+        ("tail0_len", ctypes.c_uint16),
+        ("tail1_len", ctypes.c_uint16),
+        ("tail_last", ctypes.c_uint8),
+        ("end", ctypes.c_uint8),
+        ("role", ctypes.c_uint8),
+        ("source", ctypes.c_uint8),
+        ("tail0", ctypes.c_char * STREAM_TAIL),
+        ("tail1", ctypes.c_char * STREAM_TAIL),
+    ]
 
 
 class ConnStateC(ctypes.Structure):
@@ -122,6 +167,8 @@ class ConnStateC(ctypes.Structure):
         ("shift", ctypes.c_uint8),
         ("lost", ctypes.c_uint8),
         ("dribble", ctypes.c_uint8),
+        ("agg", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 7),
     ]
 
 
@@ -361,6 +408,7 @@ STRUCTS: Mapping[str, tuple[str, Structure]] = {
     "conn_event": ("events.h", ConnEventC),
     "data_event": ("events.h", DataEventHdrC),
     "proc_event": ("events.h", ProcEventC),
+    "stream_event": ("events.h", StreamEventC),
     "conn_state": ("events.h", ConnStateC),
     "runq_thread": ("events.h", RunqThreadC),
     "runq_proc": ("sched.c", RunqProcC),
@@ -401,6 +449,7 @@ ENUMS: Mapping[str, CEnum] = {
     "sits_kind": _prefixed("events.h", "EV_", Kind, "EV_KIND_MAX"),
     "sits_source": _prefixed("events.h", "SRC_", Source),
     "sits_role": _prefixed("events.h", "ROLE_", Role),
+    "stream_end": _prefixed("stream.h", "STREAM_END_", StreamEnd),
     "sits_tcp_state": _prefixed("tcp.c", "ST_", TcpState),
     "sits_tcp_ev": _prefixed("tcp.c", "TCP_EV_", TcpEventType),
     "sits_tcp_total": CEnum("tcp.c", TcpTotal, {
@@ -426,4 +475,5 @@ CONSTANTS: Mapping[str, int] = {
     "AF_INET": AF_INET,
     "AF_INET6": AF_INET6,
     "RUNQ_SLOTS": RUNQ_SLOTS,
+    "SITS_STREAM_TAIL": STREAM_TAIL,
 }

@@ -21,7 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice, repeat
 
-from sits_trace.agent.model import Chunk, ConnInfo, Exchange, RequestHead, ResponseHead, Role
+from sits_trace.agent.model import (
+    Chunk,
+    ConnInfo,
+    Exchange,
+    RequestHead,
+    ResponseHead,
+    Role,
+    StreamChunk,
+)
 
 REDACTED = "[redacted]"
 REDACTED_HEADERS = frozenset({"authorization", "cookie", "set-cookie", "proxy-authorization"})
@@ -76,6 +84,8 @@ class ParserStats:
     tls_false_alarms: int = 0  # such halves that later began a chunk with an HTTP start line
     capture_lost: int = 0  # times records of a connection were lost (ring full): resynced
     requests_uncaptured: int = 0  # requests (estimated) that began past the capture limit
+    stream_summaries: int = 0  # kernel summaries of folded body writes applied
+    stream_orphans: int = 0  # summaries with no response body open to apply them to
     internal_errors: int = 0  # parser bugs or emit callbacks that raised (never propagated)
 
 
@@ -241,6 +251,51 @@ class HttpConnParser:
         except Exception:  # noqa: BLE001 - a parser bug must not stop the pipeline
             self.stats.internal_errors += 1
             self._recover()
+
+    def feed_stream(self, s: StreamChunk) -> None:
+        """Body writes the kernel folded into one summary (bpf/stream.h): counted exactly
+        as `feed` would have counted them one by one. Never raises."""
+        if self._off:
+            return
+        try:
+            h = self._halves[s.direction]
+            r = h.resp
+            if r is None or h.state in (_HEAD, _RESYNC, _IGNORE):
+                self.stats.stream_orphans += 1
+                return
+            self.stats.stream_summaries += 1
+            self._last_ns = max(s.last_exit_ns, s.end_ns)
+            if s.writes:
+                self._stream_body(h, r, s)
+            if s.complete:
+                end = s.end_ns or s.last_exit_ns
+                self._complete(h, Chunk(s.direction, end, end, b"", 0))
+            elif h.state == _LENGTH:
+                h.remaining = max(0, h.remaining - s.wire_bytes)
+                if not h.remaining:
+                    self._complete(h, Chunk(s.direction, s.last_exit_ns, s.last_exit_ns, b"", 0))
+        except Exception:  # noqa: BLE001 - a parser bug must not stop the pipeline
+            self.stats.internal_errors += 1
+            self._recover()
+
+    def _stream_body(self, h: _Half, r: ResponseHead, s: StreamChunk) -> None:
+        h.feeds += s.writes
+        h.body_feed = h.feeds
+        if r.first_body_ns is None:
+            r.first_body_ns = s.first_enter_ns
+        elif r.last_body_ns is not None:
+            r.max_gap_ns = max(r.max_gap_ns, s.first_enter_ns - r.last_body_ns)
+        r.max_gap_ns = max(r.max_gap_ns, s.max_gap_ns)
+        r.body_chunks += s.writes
+        r.body_bytes += s.body_bytes
+        r.last_body_ns = r.end_ns = s.last_exit_ns
+        if r.sse:
+            r.sse_events += s.events
+        if r.sse or h.tap:
+            data = b"".join(_unframe(t) for t in s.tails)
+            if b"data: [DONE]" in data:
+                r.sse_done = True
+            r.body_tail = (r.body_tail + data)[-TAP_BYTES:]
 
     def close(self, ts_ns: int) -> None:
         """The connection closed at `ts_ns`: complete or fail everything pending."""
@@ -1027,6 +1082,16 @@ MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/a
 def is_model_route(target: str) -> bool:
     path = target.split("?", 1)[0]
     return path.endswith(MODEL_ROUTES)
+
+
+def _unframe(write: bytes) -> bytes:
+    """The chunk data of a captured write that began with a chunk-size line (framing and
+    a trailing terminator dropped); other writes as they are."""
+    nl = write.find(b"\r\n", 0, 18)
+    size = _chunk_len(write[:nl]) if nl > 0 else -1
+    if size < 0:
+        return write
+    return write[nl + 2:nl + 2 + size]
 
 
 def _tap_request(q: RequestHead, data: bytes) -> None:

@@ -19,10 +19,12 @@ from sits_trace.agent.capture.events import (
     Kind,
     ProcEvent,
     Source,
+    StreamEnd,
+    StreamEvent,
     decode,
 )
 from sits_trace.agent.capture.loader import EventSource
-from sits_trace.agent.model import Chunk, ConnInfo, Exchange, Role, Span
+from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role, Span, StreamChunk
 
 from .http1 import HttpConnParser, ParserStats
 from .procfs import ProcFS
@@ -141,6 +143,8 @@ class Tracer:
                 self._on_data(ev)
             elif isinstance(ev, ConnEvent):
                 self._on_conn(ev)
+            elif isinstance(ev, StreamEvent):
+                self._on_stream(ev)
             else:
                 self._on_proc(ev)
 
@@ -336,6 +340,20 @@ class Tracer:
             c.parser.gap()
         c.info.sample_shift = ev.sample_shift
         c.parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length))
+
+    def _on_stream(self, ev: StreamEvent) -> None:
+        """A streamed response's body writes, folded in the kernel (bpf/stream.h)."""
+        if ev.conn_id:
+            c = self._conns.get(ev.conn_id)
+        else:
+            c = self._tls_streams.get((ev.pid, ev.ssl))
+        if c is None:
+            self.stats.parser.stream_orphans += 1
+            return
+        complete = ev.end in (StreamEnd.TERMINATOR, StreamEnd.NEXT)
+        c.parser.feed_stream(StreamChunk(
+            Direction.EGRESS, ev.writes, ev.events, ev.first_enter_ns, ev.last_exit_ns,
+            ev.max_gap_ns, ev.body_bytes, ev.wire_bytes, ev.end_ns, complete, ev.tails))
 
     # ---- spans ----
 

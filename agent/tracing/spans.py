@@ -68,6 +68,27 @@ class RouteTable:
         return None
 
 
+class RandomPool:
+    """os.urandom read 4 KiB at a time and handed out in slices: one system call per ~340
+    spans instead of two per span (ids are random either way)."""
+
+    __slots__ = ("_buf", "_pos", "_read", "_size")
+
+    def __init__(self, size: int = 4096, read: Callable[[int], bytes] = os.urandom) -> None:
+        self._size = size
+        self._read = read
+        self._buf = b""
+        self._pos = 0
+
+    def __call__(self, n: int) -> bytes:
+        pos = self._pos
+        if pos + n > len(self._buf):
+            self._buf = self._read(max(self._size, n))
+            pos = 0
+        self._pos = pos + n
+        return self._buf[pos:pos + n]
+
+
 class SpanBuilder:
     """Builds spans from exchanges; `clock_offset_ns` turns monotonic ns into Unix ns."""
 
@@ -75,12 +96,12 @@ class SpanBuilder:
         self,
         *,
         clock_offset_ns: int,
-        id_source: Callable[[int], bytes] = os.urandom,
+        id_source: Callable[[int], bytes] | None = None,
         routes: RouteTable | None = None,
         redactor: QueryRedactor | None = None,
     ) -> None:
         self.clock_offset_ns = clock_offset_ns
-        self._id_source = id_source
+        self._id_source = id_source if id_source is not None else RandomPool()
         self._routes = routes
         self._redactor = redactor if redactor is not None else QueryRedactor()
 

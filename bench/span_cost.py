@@ -1,0 +1,307 @@
+"""Agent CPU per span, stage by stage: decode, parse, span, JSON, OTLP encode.
+
+    .venv/bin/python bench/span_cost.py [-n 20000] [--repeat 5]
+
+Feeds ring records built the way bpf/http.c lays them out (struct data_event: an nginx-like
+keep-alive request and response, two records per exchange; a uvicorn-like SSE stream of
+`--tokens` events, per-write records against the kernel's folded summary) through the
+agent's own code, one stage at a time, and prints the median over `--repeat` runs of each
+stage's µs per span (process CPU time). `otlp` is the shipped path (SDK ReadableSpan per span,
+then the SDK's protobuf encoder, in batches of 512); `otlp_direct_proto` is a prototype that
+builds the protobuf messages from our spans directly, and `otlp_wire_proto` one that writes the
+protobuf bytes by hand (checked by parsing them back); neither is counted in total_us. The node signals (TCP, run queue) are not in here:
+they read kernel maps; bench/overhead.py measures the whole agent, them included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import struct
+import time
+from collections.abc import Callable
+
+from sits_trace.agent.capture import events as ev
+from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role, Span, StreamChunk
+from sits_trace.agent.tracing.http1 import HttpConnParser
+from sits_trace.agent.tracing.spans import SpanBuilder
+
+REQ = (b"GET /index.html HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nUser-Agent: wrk\r\n"
+       b"Accept: */*\r\nx-request-id: 0123456789abcdef\r\n\r\n")
+RESP = (b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 02 Dec 2025 10:20:00 GMT\r\n"
+        b"Content-Type: text/plain\r\nContent-Length: 17\r\nConnection: keep-alive\r\n\r\n"
+        b"hello from nginx\n")
+_SSE_BODY = b'{"model": "tiny", "stream": true, "messages": []}'
+SSE_REQ = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           b"content-length: %d\r\n\r\n%s" % (len(_SSE_BODY), _SSE_BODY))
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+_HDR = struct.Struct("<IIQQQQIiIIBBBBI")
+
+
+def data_record(conn_id: int, direction: int, t: int, payload: bytes) -> bytes:
+    return _HDR.pack(3, 100, conn_id, t, t + 2000, 0, 100, 7, len(payload), len(payload),
+                     direction, 0, 1, 0, 0) + payload
+
+
+def nginx_records(n: int, conns: int = 50) -> list[bytes]:
+    out = []
+    t = 1_000_000_000
+    for i in range(n):
+        cid = 1 + i % conns
+        out.append(data_record(cid, 0, t, REQ))
+        out.append(data_record(cid, 1, t + 30_000, RESP))
+        t += 50_000
+    return out
+
+
+def _event(i: int) -> bytes:
+    e = b'data: {"id": "c1", "model": "tiny", "choices": [{"delta": {"content": " t%d"}}]}\n\n' % i
+    return b"%x\r\n%s\r\n" % (len(e), e)
+
+
+def sse_records(streams: int, tokens: int, folded: bool) -> list[bytes]:
+    """Per stream: request, head, then `tokens` event writes and the terminator, or (folded)
+    the one summary the kernel sends instead."""
+    out = []
+    t = 1_000_000_000
+    for s in range(streams):
+        cid = 1000 + s
+        out.append(data_record(cid, 0, t, SSE_REQ))
+        out.append(data_record(cid, 1, t + 1_000_000, SSE_HEAD))
+        t0 = t + 2_000_000
+        if folded:
+            c = ev.StreamEventC(kind=12, tgid=100, conn_id=cid, first_enter_ns=t0,
+                                first_exit_ns=t0 + 900, last_enter_ns=t0 + (tokens - 1) * 20_000_000,
+                                last_exit_ns=t0 + (tokens - 1) * 20_000_000 + 900,
+                                end_ns=t0 + tokens * 20_000_000, max_gap_ns=20_000_000,
+                                writes=tokens, events=tokens, end=1, role=1, tail_last=1)
+            last = _event(tokens - 1)
+            c.tail1 = last
+            c.tail1_len = len(last)
+            out.append(bytes(c))
+        else:
+            for i in range(tokens):
+                out.append(data_record(cid, 1, t0 + i * 20_000_000, _event(i)))
+            out.append(data_record(cid, 1, t0 + tokens * 20_000_000, b"0\r\n\r\n"))
+        t += 10_000
+    return out
+
+
+def cpu_us(fn: Callable[[], object]) -> float:
+    c0 = time.process_time()
+    fn()
+    return (time.process_time() - c0) * 1e6
+
+
+def parse_all(events: list[ev.Event]) -> list[Exchange]:
+    out: list[Exchange] = []
+    parsers: dict[int, HttpConnParser] = {}
+    for e in events:
+        p = parsers.get(e.conn_id)
+        if p is None:
+            info = ConnInfo(conn_id=e.conn_id, pid=100, fd=7, role=Role.SERVER, comm="nginx")
+            p = parsers[e.conn_id] = HttpConnParser(info, out.append)
+        if isinstance(e, ev.DataEvent):
+            p.feed(Chunk(e.direction, e.ts_enter_ns, e.ts_exit_ns, e.payload, e.length))
+        elif isinstance(e, ev.StreamEvent):
+            p.feed_stream(StreamChunk(Direction.EGRESS, e.writes, e.events, e.first_enter_ns,
+                                      e.last_exit_ns, e.max_gap_ns, e.body_bytes, e.wire_bytes,
+                                      e.end_ns, True, e.tails))
+    return out
+
+
+def otlp_encoder() -> Callable[[list[Span]], int] | None:
+    try:
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+        from opentelemetry.sdk.resources import Resource
+        from sits_trace.exporters.otlp import to_readable
+    except ImportError:
+        return None
+    res = Resource.create({"service.name": "nginx"})
+
+    def encode(spans: list[Span]) -> int:
+        n = 0
+        for i in range(0, len(spans), 512):  # the SDK's batch size
+            n += len(encode_spans([to_readable(s, res) for s in spans[i:i + 512]])
+                     .SerializeToString())
+        return n
+    return encode
+
+
+def otlp_direct_encoder() -> Callable[[list[Span]], int] | None:
+    """A prototype, not the shipped exporter: our spans straight into OTLP protobuf messages
+    (upb), a batch per request, no SDK ReadableSpan per span. Same fields as to_readable."""
+    try:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+        from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+        from opentelemetry.proto.trace.v1 import trace_pb2
+    except ImportError:
+        return None
+    kinds = {"SERVER": 2, "CLIENT": 3}
+
+    def value(v: object) -> AnyValue:
+        if isinstance(v, bool):
+            return AnyValue(bool_value=v)
+        if isinstance(v, int):
+            return AnyValue(int_value=v)
+        if isinstance(v, float):
+            return AnyValue(double_value=v)
+        return AnyValue(string_value=str(v))
+
+    def encode(spans: list[Span]) -> int:
+        n = 0
+        for i in range(0, len(spans), 512):
+            req = ExportTraceServiceRequest()
+            ss = req.resource_spans.add().scope_spans.add()
+            ss.scope.name = "sits-trace"
+            out = ss.spans
+            for sp in spans[i:i + 512]:
+                out.append(trace_pb2.Span(
+                    trace_id=bytes.fromhex(sp.trace_id), span_id=bytes.fromhex(sp.span_id),
+                    parent_span_id=bytes.fromhex(sp.parent_span_id) if sp.parent_span_id else b"",
+                    name=sp.name, kind=kinds.get(sp.kind, 1),  # type: ignore[arg-type]
+                    start_time_unix_nano=sp.start_time_unix_nano,
+                    end_time_unix_nano=sp.end_time_unix_nano,
+                    attributes=[KeyValue(key=k, value=value(v)) for k, v in sp.attributes.items()
+                                if not k.startswith("process.")]))
+            n += len(req.SerializeToString())
+        return n
+    return encode
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _ld(field: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+_KEYS: dict[str, bytes] = {}
+
+
+def otlp_wire_encoder() -> Callable[[list[Span]], int]:
+    """A prototype: OTLP ExportTraceServiceRequest bytes written by hand (protobuf wire format),
+    checked against the upb messages by parsing them back (bench only, not the exporter)."""
+    kinds = {"SERVER": 2, "CLIENT": 3}
+    fixed = struct.Struct("<Q")
+
+    def span_bytes(sp: Span) -> bytes:
+        parts = [_ld(1, bytes.fromhex(sp.trace_id)), _ld(2, bytes.fromhex(sp.span_id))]
+        if sp.parent_span_id:
+            parts.append(_ld(4, bytes.fromhex(sp.parent_span_id)))
+        parts.append(_ld(5, sp.name.encode()))
+        parts.append(b"\x30" + _varint(kinds.get(sp.kind, 1)))
+        parts.append(b"\x39" + fixed.pack(sp.start_time_unix_nano))
+        parts.append(b"\x41" + fixed.pack(sp.end_time_unix_nano))
+        parts.extend(_kv9(k, v) for k, v in sp.attributes.items() if not k.startswith("process."))
+        return b"".join(parts)
+
+    scope = _ld(1, _ld(1, b"sits-trace"))
+
+    def encode(spans: list[Span]) -> int:
+        n = 0
+        for i in range(0, len(spans), 512):
+            body = b"".join(_ld(2, span_bytes(sp)) for sp in spans[i:i + 512])
+            n += len(_ld(1, _ld(2, scope + body)))
+        return n
+    encode.request = lambda spans: _ld(1, _ld(2, scope + b"".join(  # type: ignore[attr-defined]
+        _ld(2, span_bytes(sp)) for sp in spans)))
+    return encode
+
+
+def _kv9(k: str, v: object) -> bytes:
+    """Span.attributes is field 9."""
+    key = _KEYS.get(k)
+    if key is None:
+        key = _KEYS[k] = _ld(1, k.encode())
+    if isinstance(v, bool):
+        val = b"\x10" + (b"\x01" if v else b"\x00")
+    elif isinstance(v, int):
+        val = b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)
+    elif isinstance(v, float):
+        val = b"\x21" + struct.pack("<d", v)
+    else:
+        val = _ld(1, str(v).encode())
+    return _ld(9, key + _ld(2, val))
+
+
+def check_wire(spans: list[Span]) -> None:
+    """The hand-written bytes parse back (upb) into the same spans and attributes."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    got = ExportTraceServiceRequest.FromString(otlp_wire_encoder().request(spans))  # type: ignore[attr-defined]
+    out = got.resource_spans[0].scope_spans[0].spans
+    assert len(out) == len(spans)
+    for a, b in zip(out, spans, strict=True):
+        assert (a.trace_id.hex(), a.span_id.hex(), a.name, a.end_time_unix_nano) == (
+            b.trace_id, b.span_id, b.name, b.end_time_unix_nano)
+        attrs = {kv.key: getattr(kv.value, str(kv.value.WhichOneof("value"))) for kv in a.attributes}
+        assert attrs == {k: v for k, v in b.attributes.items() if not k.startswith("process.")}
+
+
+def stages(records: list[bytes]) -> dict[str, float]:
+    """µs of CPU per span for each stage over `records`."""
+    out: dict[str, float] = {}
+    decoded: list[ev.Event] = []
+    out["decode"] = cpu_us(lambda: decoded.extend(ev.decode(r) for r in records))
+    exchanges: list[Exchange] = []
+    out["parse"] = cpu_us(lambda: exchanges.extend(parse_all(decoded)))
+    builder = SpanBuilder(clock_offset_ns=0)
+    spans: list[Span] = []
+    out["span"] = cpu_us(lambda: spans.extend(builder.build(x) for x in exchanges))
+    out["json"] = cpu_us(lambda: [json.dumps(s.to_json(), separators=(",", ":")) for s in spans])
+    enc = otlp_encoder()
+    if enc is not None:
+        out["otlp"] = cpu_us(lambda: enc(spans))
+    direct = otlp_direct_encoder()
+    if direct is not None:
+        out["otlp_direct_proto"] = cpu_us(lambda: direct(spans))
+    wire = otlp_wire_encoder()
+    check_wire(spans[:200])
+    out["otlp_wire_proto"] = cpu_us(lambda: wire(spans))
+    n = max(1, len(spans))
+    per = {k: v / n for k, v in out.items()}
+    per["spans"] = len(spans)
+    per["records_per_span"] = len(records) / n
+    return per
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-n", type=int, default=20000, help="nginx exchanges")
+    ap.add_argument("--streams", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=5)
+    a = ap.parse_args()
+    cases = {
+        "nginx keep-alive (2 records/span)": nginx_records(a.n),
+        f"SSE {a.tokens} tokens, a record per write": sse_records(a.streams, a.tokens, False),
+        f"SSE {a.tokens} tokens, folded in the kernel": sse_records(a.streams, a.tokens, True),
+    }
+    report = {}
+    for name, recs in cases.items():
+        runs = [stages(recs) for _ in range(a.repeat)]
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        med["total_us"] = sum(v for k, v in med.items()
+                              if k not in ("spans", "records_per_span", "otlp_direct_proto",
+                                           "otlp_wire_proto"))
+        report[name] = med
+        cols = " ".join(f"{k}={v:.2f}" for k, v in med.items() if k not in ("spans",))
+        print(f"{name}: {cols}  (us/span, median of {a.repeat})")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
