@@ -93,6 +93,7 @@ def slo_overview() -> list[tuple[str, list[dict[str, Any]]]]:
             *[panel(f"P{int(q * 100)} latency by route",
                     [target(quantile(q, SRV, "http_route"), "{{http_route}}")], unit="s")
               for q in (0.5, 0.95, 0.99)]),
+        genai_row(),
         rca_row(),
         row("Routes",
             panel("Routes: rate, errors, P99 (click P99 for slow traces)", [
@@ -113,6 +114,27 @@ def slo_overview() -> list[tuple[str, list[dict[str, Any]]]]:
                   [target(quantile(0.99, CLI, "service_name, http_route"),
                           "{{service_name}} {{http_route}}")], unit="s", w=12)),
     ]
+
+
+def genai_row() -> tuple[str, list[dict[str, Any]]]:
+    """Model serving on this node (OpenAI-compatible routes, SSE): the SLOs of an inference
+    server are written in time to first token and time per output token (exporters/_genai.py)."""
+    sel = 'service_name=~"$service"'
+    by = "le, service_name, gen_ai_request_model"
+
+    def q(metric: str, pct: float) -> str:
+        return (f"histogram_quantile({pct}, sum by ({by}) (rate({metric}_bucket{{{sel}}}"
+                f"[{W}])))")
+
+    ttft, tpot = "gen_ai_server_time_to_first_token_seconds", \
+        "gen_ai_server_time_per_output_token_seconds"
+    legend = "{{service_name}} {{gen_ai_request_model}}"
+    return row("LLM serving (time to first token, time per output token)",
+               panel("P95 time to first token by model", [target(q(ttft, 0.95), legend)],
+                     unit="s", w=12, desc="First streamed event after the request began."),
+               panel("P95 time per output token by model", [target(q(tpot, 0.95), legend)],
+                     unit="s", w=12,
+                     desc="Mean gap between streamed events (writes) after the first."))
 
 
 def rca_row() -> tuple[str, list[dict[str, Any]]]:

@@ -173,7 +173,10 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
 
 # panels of signals this node may not have: NVML (DCGM names) and CUDA driver calls
 NEEDS = {"gpu": (re.compile(r"\bDCGM_FI_\w+"), '{__name__=~"DCGM_FI_.+"}'),
-         "cuda": (re.compile(r"\bsits_cuda_\w+_total\b"), "sits_cuda_kernel_launches_total")}
+         "cuda": (re.compile(r"\bsits_cuda_\w+_total\b"), "sits_cuda_kernel_launches_total"),
+         # streamed model-serving responses (gen_ai.*): none in this test's traffic
+         "gen_ai": (re.compile(r"\bgen_ai_server_\w+"),
+                    "gen_ai_server_time_to_first_token_seconds_count")}
 
 
 def substitute(expr: str) -> str:
@@ -191,7 +194,11 @@ def test_every_dashboard_query_returns_data(web: tuple[int, int], tmp_path: Path
     metrics_port = free_port()
     spans_file = tmp_path / "spans.jsonl"
     cfg = write_config(tmp_path / "sits.toml", prometheus_port=metrics_port,
-                       jsonl_path=str(spans_file), batch_delay_s=0.2)
+                       jsonl_path=str(spans_file), batch_delay_s=0.2, service_name="models-api")
+    # the root-cause panels need verdicts: an objective every window misses gives them
+    with cfg.open("a") as f:
+        f.write("[rca]\nenabled = true\nwindow_s = 2.0\nbaseline_windows = 1\n"
+                '[[slo]]\nservice = "models-api"\nduration_ms_p50 = 0.001\n')
     agent = Agent(cfg)
     try:
         wait_port(metrics_port)
