@@ -36,7 +36,7 @@ class BccMaps:
         # a map per span, and BCC's __getitem__ allocated and converted each time
         self._fast: dict[str, tuple[int, Any, Any] | None] = {}
         try:
-            from bcc.libbcc import lib
+            from bcc.libbcc import lib  # noqa: PLC0415 - BCC only where the agent loads maps
         except ImportError:
             lib = None
         self._lib = lib

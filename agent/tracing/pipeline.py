@@ -343,10 +343,7 @@ class Tracer:
 
     def _on_stream(self, ev: StreamEvent) -> None:
         """A streamed response's body writes, folded in the kernel (bpf/stream.h)."""
-        if ev.conn_id:
-            c = self._conns.get(ev.conn_id)
-        else:
-            c = self._tls_streams.get((ev.pid, ev.ssl))
+        c = self._conns.get(ev.conn_id) if ev.conn_id else self._tls_streams.get((ev.pid, ev.ssl))
         if c is None:
             self.stats.parser.stream_orphans += 1
             return
