@@ -32,6 +32,18 @@ def _fail(msg: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def _started(agent: Any) -> threading.Event:
+    """Start `agent` (one line and exit 2 when its probes cannot load); the event Ctrl-C or
+    SIGTERM sets."""
+    stop = threading.Event()
+    _install_stop(stop)
+    try:
+        agent.start()
+    except ProbeError as exc:
+        _fail(str(exc))
+    return stop
+
+
 def _install_stop(stop: threading.Event, reload: threading.Event | None = None) -> None:
     """SIGINT/SIGTERM stop (drain and flush); a second one ends at once. SIGHUP reloads
     where `reload` is given (`run`), else stops."""
@@ -126,12 +138,7 @@ def trace(
         return TeeSource(ring, Recorder(record)) if record else ring
 
     agent = Agent(cfg, sink, wrap_source=source)
-    stop = threading.Event()
-    _install_stop(stop)
-    try:
-        agent.start()
-    except ProbeError as exc:
-        _fail(str(exc))
+    stop = _started(agent)
     typer.echo("sits-trace: tracing; Ctrl-C to stop", err=True)
     agent.run(stop, duration)
     if agent.tracer is not None:
@@ -365,12 +372,7 @@ def rca(
         _fail(str(exc))
     agent = Agent(cfg, engine.add)
     holder.append(agent)
-    stop = threading.Event()
-    _install_stop(stop)
-    try:
-        agent.start()
-    except ProbeError as exc:
-        _fail(str(exc))
+    stop = _started(agent)
     live = LiveRca(engine, [printer])
     live.start()
     typer.echo(f"sits-trace: judging {engine.s.window_s:g} s windows; Ctrl-C to stop", err=True)
@@ -430,12 +432,7 @@ def record(
     except OSError as exc:
         _fail(f"cannot write {out}: {exc.strerror}")
     agent = Agent(cfg, writer.span)
-    stop = threading.Event()
-    _install_stop(stop)
-    try:
-        agent.start()
-    except ProbeError as exc:
-        _fail(str(exc))
+    stop = _started(agent)
 
     def row(t_ns: int) -> None:
         if agent.features is not None:
