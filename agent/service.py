@@ -24,7 +24,13 @@ def render_unit(executable: Path, source: Path = UNIT_SOURCE) -> str:
         text = source.read_text()
     except OSError as exc:
         raise ServiceError(f"unit template {source}: {exc.strerror}") from None
-    return text.replace(DEFAULT_EXEC, str(executable))
+    text = text.replace(DEFAULT_EXEC, str(executable))
+    if any(executable.is_relative_to(t) for t in (Path("/tmp"), Path("/var/tmp"))):
+        # PrivateTmp gives the service an empty /tmp, which hides an installation (a venv and
+        # its checkout) living there: bind that folder back in, read-only
+        root = executable.parents[2] if len(executable.parents) > 2 else executable.parent
+        text = text.replace("PrivateTmp=yes\n", f"PrivateTmp=yes\nBindReadOnlyPaths={root}\n", 1)
+    return text
 
 
 def service_config() -> str:

@@ -74,3 +74,9 @@ def test_watchdog_pings_only_while_the_loop_turns() -> None:
     s.start()
     s.stop()
     assert sent[0].startswith("READY=1") and sent[-1] == "STOPPING=1"
+
+
+def test_an_installation_under_tmp_is_bound_back_into_the_private_tmp() -> None:
+    unit = render_unit(Path("/tmp/ci/checkout/.venv/bin/sits-trace"))
+    assert "PrivateTmp=yes\nBindReadOnlyPaths=/tmp/ci/checkout\n" in unit
+    assert "BindReadOnlyPaths" not in render_unit(Path("/opt/sits-trace/.venv/bin/sits-trace"))
