@@ -197,7 +197,9 @@ def test_the_unit_under_systemd_traces_reloads_and_stops() -> None:
         key, crt = make_cert(box.root / "srv/web")
         key.chmod(0o644)
         port = free_port()
-        box.sh("systemd-run", "--unit=sits-web", "-p", "DynamicUser=yes", "/usr/bin/python3",
+        # DynamicUser implies a private /tmp: a checkout there (CI's) is bound back in
+        box.sh("systemd-run", "--unit=sits-web", "-p", "DynamicUser=yes",
+               "-p", f"BindReadOnlyPaths={REPO}", "/usr/bin/python3",
                str(REPO / "examples/demo_server.py"), str(port), f"/srv/web/{key.name}",
                f"/srv/web/{crt.name}")
         wait_for("web server", lambda: box.sh("curl", "-sk", "-o", "/dev/null",
