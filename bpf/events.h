@@ -185,7 +185,12 @@ BPF_RINGBUF_OUTPUT(events, SITS_RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost, __u64, EV_KIND_MAX);
 BPF_PERCPU_ARRAY(seen, __u64, EV_KIND_MAX);
 BPF_HASH(conns, __u64, struct conn_state, SITS_MAX_CONNS);
-BPF_HASH(target_pids, __u32, __u8, 1024);
+#ifndef SITS_MAX_TARGETS
+#define SITS_MAX_TARGETS 16384
+#endif
+/* --pid: the traced processes and, by sched_process_fork, every task they start (threads
+ * too: the tracepoint cannot tell them apart), each removed when it exits */
+BPF_HASH(target_pids, __u32, __u8, SITS_MAX_TARGETS);
 BPF_ARRAY(next_conn_id, __u64, 1);
 /* scratch for building EV_DATA: the slack lets the verifier accept an iovec copy at
  * a variable offset (offset and size each masked below SITS_MAX_PAYLOAD) */

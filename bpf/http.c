@@ -505,6 +505,10 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     __u64 id = bpf_get_current_pid_tgid();
+#if SITS_FILTER_PIDS
+    __u32 task = (__u32)id;
+    target_pids.delete(&task); /* the entry fork added: the table holds live tasks only */
+#endif
     if ((__u32)id != (id >> 32))
         return 0; /* a thread, not the process */
     mark_conns(id >> 32, 0);
@@ -518,7 +522,8 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 TRACEPOINT_PROBE(sched, sched_process_fork)
 {
 #if SITS_FILTER_PIDS
-    __u32 parent = args->parent_pid, child = args->child_pid;
+    /* the forking task's process, not args->parent_pid (the forking thread's id) */
+    __u32 parent = bpf_get_current_pid_tgid() >> 32, child = args->child_pid;
     __u8 one = 1;
     if (target_pids.lookup(&parent))
         target_pids.update(&child, &one);

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -276,6 +277,43 @@ def test_pid_and_port_filters(tmp_path: Path) -> None:
             time.sleep(0.5)
             assert t.by_request_id(rb, timeout=0.5) == []
         finally:
+            t.stop()
+
+
+# a traced process that made more threads and children, one after another, than the
+# kernel's table of traced tasks holds (bpf/events.h SITS_MAX_TARGETS): each left it on exit
+_MANY_TASKS = r"""
+import subprocess, sys, threading
+sys.stdin.readline()  # the tracer is ready
+for _ in range(int(sys.argv[1])):
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+for _ in range(64):
+    subprocess.run(["true"], check=True)
+r = subprocess.run(["curl", "-s", "--max-time", "10", "-H", "x-request-id: " + sys.argv[3],
+                    sys.argv[2]], capture_output=True)
+sys.exit(r.returncode)
+"""
+
+
+def test_pid_filter_follows_children_after_many_threads() -> None:
+    with python_server() as (port, _):
+        r = rid("many")
+        proc = subprocess.Popen([sys.executable, "-c", _MANY_TASKS, "20000",
+                                 f"http://127.0.0.1:{port}/", r], stdin=subprocess.PIPE)
+        t = Tracer("--pid", str(proc.pid))
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            proc.stdin.close()
+            assert proc.wait(timeout=120) == 0
+            # the curl the traced process started last: a CLIENT span (the server is not
+            # in the traced tree)
+            spans = t.by_request_id(r)
+            assert [s["kind"] for s in spans] == ["CLIENT"], spans
+        finally:
+            proc.kill()
             t.stop()
 
 
