@@ -105,7 +105,7 @@ class Agent:
         e = self.cfg.export
         sinks = []
         if e.otlp_endpoint:  # the OTel SDK only with a collector to send action records to
-            from sits_trace.exporters.control_log import otlp_action_log  # noqa: PLC0415
+            from sits_trace.exporters.otlp_logs import otlp_action_log  # noqa: PLC0415
 
             sinks.append(otlp_action_log(e.otlp_endpoint, e.otlp_protocol or "grpc"))
         return AgentControl.build(self.cfg.control, proc_root=Path(self.procfs.root),
@@ -123,6 +123,12 @@ class Agent:
                               frame=lambda: self.features.frame() if self.features else None)
         self.rca_metrics = VerdictMetrics(fresh_s=2 * engine.s.window_s)
         sinks: list[Callable[[Verdict], None]] = [self.rca_metrics.observe]
+        e = self.cfg.export
+        if e.otlp_endpoint:  # verdicts beside the spans: OTLP log records (sits.rca.verdict)
+            from sits_trace.exporters.otlp_logs import otlp_verdict_log  # noqa: PLC0415
+
+            vlog = otlp_verdict_log(e.otlp_endpoint, e.otlp_protocol or "grpc", e.service_name)
+            sinks.append(lambda v: vlog(v.to_json()))
         if self.control is not None:  # verdicts drive the closed loop (docs/control.md)
             pushed = self.control.pushed
             sinks.append(lambda v: pushed.push(v.to_json()))

@@ -1,6 +1,6 @@
 """In-process OTLP receivers (gRPC and HTTP/protobuf) and sample spans, for tests.
 
-Both keep every span they receive, with its resource attributes, and can be
+Both keep every span and log record they receive, with its resource attributes, and can be
 stopped and started again on the same port to play a collector that goes away.
 Built from opentelemetry-proto's service definitions, so what they accept is
 what a real collector accepts.
@@ -18,9 +18,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord as PbLogRecord
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from sits_trace.agent.model import AttrValue, Span
 
@@ -47,12 +49,28 @@ class ReceivedSpan:
         return attributes(self.span.attributes)
 
 
+@dataclass(slots=True)
+class ReceivedLog:
+    resource: dict[str, Any]
+    scope: str
+    record: PbLogRecord
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        return attributes(self.record.attributes)
+
+    @property
+    def body(self) -> Any:
+        return any_value(self.record.body)
+
+
 class _Store:
     def __init__(self) -> None:
         self.lock = threading.Condition()
         self.spans: list[ReceivedSpan] = []
         self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
         self.metrics: list[metrics_service_pb2.ExportMetricsServiceRequest] = []
+        self.logs: list[ReceivedLog] = []
         self.headers: list[dict[str, str]] = []
         self.delay_s = 0.0  # a slow collector
 
@@ -71,6 +89,13 @@ class _Store:
     def add_metrics(self, req: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
         with self.lock:
             self.metrics.append(req)
+            self.lock.notify_all()
+
+    def add_logs(self, req: logs_service_pb2.ExportLogsServiceRequest) -> None:
+        got = [ReceivedLog(attributes(rl.resource.attributes), sl.scope.name, lr)
+               for rl in req.resource_logs for sl in rl.scope_logs for lr in sl.log_records]
+        with self.lock:
+            self.logs.extend(got)
             self.lock.notify_all()
 
     def metric_names(self) -> set[str]:
@@ -93,7 +118,7 @@ class _Store:
 
 
 class GrpcReceiver(_Store):
-    """OTLP/gRPC TraceService + MetricsService on 127.0.0.1."""
+    """OTLP/gRPC TraceService, MetricsService and LogsService on 127.0.0.1."""
 
     def __init__(self, port: int = 0) -> None:
         super().__init__()
@@ -113,7 +138,14 @@ class GrpcReceiver(_Store):
                 store.add_metrics(request)
                 return metrics_service_pb2.ExportMetricsServiceResponse()
 
+        class Logs(logs_service_pb2_grpc.LogsServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                store.add_logs(request)
+                return logs_service_pb2.ExportLogsServiceResponse()
+
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            Logs(), server)
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
             Traces(), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(  # type: ignore[no-untyped-call]
@@ -134,7 +166,7 @@ class GrpcReceiver(_Store):
 
 
 class HttpReceiver(_Store):
-    """OTLP/HTTP (protobuf) POST /v1/traces and /v1/metrics on 127.0.0.1."""
+    """OTLP/HTTP (protobuf) POST /v1/traces, /v1/metrics and /v1/logs on 127.0.0.1."""
 
     def __init__(self, port: int = 0) -> None:
         super().__init__()
@@ -159,6 +191,9 @@ class HttpReceiver(_Store):
                 elif self.path == "/v1/metrics":
                     store.add_metrics(metrics_service_pb2.ExportMetricsServiceRequest.FromString(body))
                     out = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
+                elif self.path == "/v1/logs":
+                    store.add_logs(logs_service_pb2.ExportLogsServiceRequest.FromString(body))
+                    out = logs_service_pb2.ExportLogsServiceResponse().SerializeToString()
                 else:
                     self.send_error(404)
                     return

@@ -14,7 +14,7 @@ from sits_trace.analyzers.control.actuators import CgroupCpuActuator, CpuHierarc
 from sits_trace.analyzers.control.board import DecisionBoard
 from sits_trace.analyzers.control.loop import ControlLoop
 from sits_trace.analyzers.control.verdicts import PushedVerdicts
-from sits_trace.exporters.control_log import ActionLog
+from sits_trace.exporters.otlp_logs import ActionLog
 
 VICTIM = "/user.slice/victim"
 THROTTLE = "/user.slice/sits-trace-throttle-42"
