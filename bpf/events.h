@@ -138,12 +138,12 @@ struct stream_event {
     __u64 max_gap_ns;     /* largest pause between two folded body writes */
     __u64 sum_gap_ns;     /* all pauses between folded body writes */
     __u64 wire_bytes;     /* bytes written, chunk framing included */
-    __u64 body_bytes;     /* chunk data bytes (wire bytes for inexact writes) */
+    __u64 body_bytes;     /* chunk data bytes */
     __u32 tid;
     __s32 fd;
     __u32 writes;         /* folded writes carrying body bytes */
     __u32 events;         /* of them, writes whose chunk data begins with `data:` */
-    __u32 inexact;        /* of them, writes that were not exactly one chunk */
+    __u32 inexact;        /* 0: only whole chunks fold (stream.h); kept in the layout */
     __u32 runq_us;        /* 0 for now (not read: it doubled the verifier's paths) */
     __u16 tail0_len;
     __u16 tail1_len;

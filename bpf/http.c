@@ -302,6 +302,10 @@ static __always_inline void tie_written_ssl(struct thread_io *t, struct conn_sta
 {
     __u64 s = t->ssl.ssl;
     t->ssl.ssl = 0;
+    /* only the ciphertext of an SSL_write: the last SSL call being a read (a handshake's
+     * SSL_read that wanted more, of another client) says nothing of whose reply this is */
+    if (t->ssl.direction != 1)
+        return;
     if (ssl_conns.lookup(&s))
         return;
     ssl_conns.update(&s, &conn);

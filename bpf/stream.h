@@ -2,17 +2,20 @@
  *
  * A server's response to a model-serving request is written one event (one token) at a
  * time: N writes, N ring records, N decodes and parses in the agent. Instead, the first
- * write of a response (its head) goes out as an EV_DATA record as usual; when a later write
- * of the same response begins with a chunk-size line (`1a\r\n`, chunked transfer-encoding,
- * the framing of SSE and of most streamed bodies), the writes from there on are folded
- * into one `struct stream_event` kept per connection in `streams`: writes counted, first
+ * write of a response (its head) goes out as an EV_DATA record as usual; each later write
+ * of the same response that is exactly one chunk (`1a\r\n...\r\n`, chunked
+ * transfer-encoding, the framing of SSE and of most streamed bodies; the terminator may
+ * follow it) is folded into one `struct stream_event` kept per connection in `streams`
+ * (a write that is not, from a runtime that merges or splits chunks, goes out as a record
+ * after what was folded, so every count stays exact): writes counted, first
  * and last write times, the largest and total pause between writes, body bytes (the
  * chunk sizes), writes whose data begins with `data:` (SSE events), and the first
  * SITS_STREAM_TAIL bytes of the last two writes (the final event that carries `usage`,
  * and `data: [DONE]`). The summary is sent as one record when the response visibly ends
  * (a write that ends with the chunked terminator `0\r\n\r\n`), when the next request is
  * read, when the connection closes, or after SITS_STREAM_FLUSH_NS or a write it cannot
- * fold (an iovec write), so a head plus one summary stand for the whole stream.
+ * fold (an iovec write, or one that is not a whole chunk), so a head plus one summary
+ * stand for the whole stream.
  *
  * Cost per folded write: one LRU-hash lookup and three small user reads (16 bytes of
  * head, 5 bytes of tail, up to SITS_STREAM_TAIL bytes kept), against a ring record of up
@@ -113,7 +116,8 @@ static __always_inline void stream_tail(struct stream_event *s, __u64 buf, __u64
     s->tail_last = slot;
 }
 
-/* Fold one body write into `s`; returns 1 when it ended the response. */
+/* Fold one body write into `s`: 1 when it ended the response, 0 when folded, -1 when it
+ * is not a whole chunk (with or without the terminator after it) and was not folded. */
 static __always_inline int stream_add(struct stream_event *s, __u64 buf, __u64 len,
                                       __u64 t_enter, __u64 t_exit, const __u64 *head)
 {
@@ -125,6 +129,11 @@ static __always_inline int stream_add(struct stream_event *s, __u64 buf, __u64 l
         s->end_ns = t_exit; /* the terminator alone: no body bytes */
         return 1;
     }
+    __u32 size = 0;
+    int sse = 0;
+    __u32 hl = chunk_line(head[0], head[1], &size, &sse);
+    if (!hl || (__u64)hl + size + 2 + (term ? 5 : 0) != len)
+        return -1;
     if (s->writes == 0) {
         s->first_enter_ns = t_enter;
         s->first_exit_ns = t_exit;
@@ -138,17 +147,8 @@ static __always_inline int stream_add(struct stream_event *s, __u64 buf, __u64 l
     s->last_enter_ns = t_enter;
     s->last_exit_ns = t_exit;
     s->wire_bytes += len;
-    __u32 size = 0;
-    int sse = 0;
-    __u32 hl = chunk_line(head[0], head[1], &size, &sse);
-    __u64 framed = (__u64)hl + size + 2 + (term ? 5 : 0);
-    if (hl && framed == len) {
-        s->body_bytes += size;
-        s->events += sse;
-    } else {
-        s->body_bytes += len;
-        s->inexact++;
-    }
+    s->body_bytes += size;
+    s->events += sse;
     stream_tail(s, buf, len);
     if (term)
         s->end_ns = t_exit;
@@ -207,7 +207,18 @@ static __always_inline int stream_write(__u64 id, __u64 key, struct conn_state *
     }
     s->tid = (__u32)id;
     /* runq_us stays 0: a run-queue read here doubled the verifier's paths (sched.c on) */
-    if (stream_add(s, buf, len, t_enter, t_exit, head)) {
+    int added = stream_add(s, buf, len, t_enter, t_exit, head);
+    if (added < 0) {
+        /* merged or split chunks: the write goes out as a record, after what was folded */
+        if (s->writes) {
+            stream_flush(key, st, STREAM_END_FLUSH);
+        } else {
+            st->agg = 0;
+            streams.delete(&key);
+        }
+        return 0;
+    }
+    if (added) {
         stream_flush(key, st, STREAM_END_TERMINATOR);
     } else if (t_exit - s->first_enter_ns > SITS_STREAM_FLUSH_NS) {
         stream_flush(key, st, STREAM_END_FLUSH);

@@ -115,7 +115,7 @@ class StreamEvent:
     end: StreamEnd
     writes: int  # writes that carried body bytes
     events: int  # of them, writes whose chunk data began with `data:` (SSE)
-    inexact: int  # of them, writes that were not exactly one chunk (bytes counted raw)
+    inexact: int  # 0: the kernel folds whole chunks only (bpf/stream.h); kept in the layout
     first_enter_ns: int
     first_exit_ns: int
     last_enter_ns: int

@@ -399,7 +399,7 @@ class Rescans:
     `sweep_s` each process with traced connections (a private libssl dlopen()ed any time
     later, by a process the agent found already running)."""
 
-    DELAYS_S = (0.2, 1.0, 5.0, 20.0)
+    DELAYS_S = (0.0, 0.2, 1.0, 5.0, 20.0)  # 0: a program with OpenSSL inside (node) at once
     SWEEP_S = 10.0
 
     def __init__(self, check: Callable[[int], None],

@@ -80,9 +80,7 @@ def _exec_through_sh(args: list[str]) -> list[str]:
     return ["/bin/sh", "-c", 'exec "$@"', "sh", *args]
 
 
-@pytest.mark.parametrize("kind", ["uvicorn-asyncio-h11", pytest.param("node", marks=pytest.mark.xfail(
-    reason="issue 9, open: node HTTPS under concurrent new connections (see "
-    "test_stacks_servers.py node-https)", strict=False))])
+@pytest.mark.parametrize("kind", ["uvicorn-asyncio-h11", "node"])
 def test_process_that_execs_into_a_server(tracer: Tracer, kind: str) -> None:
     """sh execs into the server (uvicorn over HTTPS; node, whose OpenSSL the agent finds in
     the program itself once it ran exec)."""

@@ -65,12 +65,8 @@ OTHERS = [
                  marks=_skip_unless("gunicorn")),
     pytest.param("aiohttp", True, id="aiohttp-https"),
     pytest.param("aiohttp", False, id="aiohttp-http"),
-    pytest.param("node", True, id="node-https", marks=[
-        pytest.mark.skipif(not shutil.which("node"), reason="no node"),
-        pytest.mark.xfail(reason="issue 9, open: with 32 concurrent new TLS connections 1-5 "
-                          "node streams are lost, swapped or end late (node never calls "
-                          "BIO_write; the SSL*-to-socket tie by the next write still races)",
-                          strict=False)]),
+    pytest.param("node", True, id="node-https",
+                 marks=pytest.mark.skipif(not shutil.which("node"), reason="no node")),
     pytest.param("node", False, id="node-http",
                  marks=pytest.mark.skipif(not shutil.which("node"), reason="no node")),
 ]
@@ -102,9 +98,7 @@ setup = function(thread) thread:set("id", math.random(1, 1000000000)) end
 @pytest.mark.skipif(not shutil.which("wrk"), reason="no wrk")
 @pytest.mark.parametrize("kind,tls", [
     ("uvicorn-uvloop-httptools", True),
-    pytest.param("node", False, marks=pytest.mark.xfail(
-        reason="issue 9, open: under wrk about 1% of node's keep-alive responses end as "
-        "response_incomplete or late (its writev batching across requests)", strict=False))])
+    ("node", False)])
 def test_wrk_load(tracer: Tracer, kind: str, tls: bool) -> None:
     """32 keep-alive connections for 2 s, a unique x-request-id a request (wrk's Lua)."""
     with run_server(kind, tls) as server, tempfile.TemporaryDirectory() as d:
