@@ -86,6 +86,8 @@ class StreamChunk:
     end_ns: int  # exit of the write that ended the response; 0 when it has not ended
     complete: bool  # the response ended within or right after these writes
     tails: tuple[bytes, bytes]  # oldest first, chunk framing kept
+    head: bytes = b""  # first bytes of the first of them, chunk framing kept
+    second_enter_ns: int = 0  # the second of them began (0: one write)
 
 
 @dataclass(slots=True)
@@ -117,6 +119,9 @@ class ResponseHead:
     first_byte_ns: int  # ts_enter of the write that carried the status line
     end_ns: int  # ts_exit of the write that carried the last byte
     first_body_ns: int | None = None  # first body chunk (streamed responses: first event)
+    # first body chunk that carries output: an SSE preamble (OpenAI chat's role-only chunk,
+    # sent before any token) skipped; None when not SSE or not seen yet
+    first_token_ns: int | None = None
     last_body_ns: int | None = None  # last body chunk
     body_bytes: int = 0
     body_chunks: int = 0  # writes (or chunked-encoding chunks) that carried body bytes

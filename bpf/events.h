@@ -122,6 +122,9 @@ struct data_event {
 #ifndef SITS_STREAM_TAIL
 #define SITS_STREAM_TAIL 1024 /* bytes kept of each of a stream's last two writes */
 #endif
+#ifndef SITS_STREAM_HEAD
+#define SITS_STREAM_HEAD 384 /* bytes kept of a stream's first folded write */
+#endif
 
 /* EV_STREAM: the body writes of one streamed response after its head, folded in the
  * kernel (stream.h). Gaps are from a write's entry to the previous write's exit. */
@@ -153,6 +156,12 @@ struct stream_event {
     __u8 source;
     char tail0[SITS_STREAM_TAIL];
     char tail1[SITS_STREAM_TAIL];
+    /* after the tails, so records made before these fields still decode */
+    __u64 second_enter_ns; /* the second folded write: the first token after a preamble
+                              event (OpenAI chat's role chunk); 0: one write */
+    __u16 head_len;
+    __u8 _pad2[6];
+    char head[SITS_STREAM_HEAD]; /* first bytes of the first folded write */
 };
 
 /* EV_PROC_EXEC / EV_PROC_EXIT: lets the agent find libraries in new processes */

@@ -137,7 +137,15 @@ static __always_inline int stream_add(struct stream_event *s, __u64 buf, __u64 l
     if (s->writes == 0) {
         s->first_enter_ns = t_enter;
         s->first_exit_ns = t_exit;
+        __u64 n = len > SITS_STREAM_HEAD ? SITS_STREAM_HEAD : len;
+        asm volatile("" : "+r"(n));
+        if (n <= SITS_STREAM_HEAD) {
+            bpf_probe_read_user(s->head, n, (void *)buf);
+            s->head_len = n;
+        }
     } else {
+        if (s->writes == 1)
+            s->second_enter_ns = t_enter;
         __u64 gap = t_enter > s->last_exit_ns ? t_enter - s->last_exit_ns : 0;
         s->sum_gap_ns += gap;
         if (gap > s->max_gap_ns)

@@ -22,6 +22,7 @@ from .wire import (
     DATA_HDR_SIZE,
     DATA_LOST,
     DATA_SAMPLE_SHIFT,
+    STREAM_HEAD,
     STREAM_TAIL,
     TASK_COMM_LEN,
     ConnEventC,
@@ -40,6 +41,7 @@ __all__ = [  # the wire names decoders and tests reach through this module
     "DATA_HDR_SIZE",
     "DATA_LOST",
     "DATA_SAMPLE_SHIFT",
+    "STREAM_HEAD",
     "STREAM_TAIL",
     "TASK_COMM_LEN",
     "ConnEvent",
@@ -127,6 +129,8 @@ class StreamEvent:
     body_bytes: int
     tails: tuple[bytes, bytes]  # first bytes of the last two body writes, oldest first, as written
     runq_us: int = 0
+    second_enter_ns: int = 0  # the second folded write (0: one write, or an older record)
+    head: bytes = b""  # first bytes of the first folded write
 
 
 @dataclass(slots=True)
@@ -189,6 +193,7 @@ def _decode_data(raw: bytes) -> DataEvent:
 
 
 _STREAM_HDR = struct.Struct("<II11QIiIIIIHHBBBB")  # StreamEventC up to tail0, checked by a test
+_STREAM_EXT = struct.Struct("<QH6x")  # StreamEventC after tail1, up to head
 STREAM_SIZE = ctypes.sizeof(StreamEventC)
 _STREAM_ENDS = {int(e): e for e in StreamEnd}
 
@@ -202,13 +207,20 @@ def _decode_stream(raw: bytes) -> StreamEvent:
     base = _STREAM_HDR.size
     t0 = raw[base:base + len0]
     t1 = raw[base + STREAM_TAIL:base + STREAM_TAIL + len1]
+    ext = base + 2 * STREAM_TAIL
+    second, head = 0, b""
+    if len(raw) >= ext + _STREAM_EXT.size:  # records before these fields end at tail1
+        second, head_len = _STREAM_EXT.unpack_from(raw, ext)
+        if head_len > STREAM_HEAD:
+            raise DecodeError(f"stream record: head={head_len}")
+        head = raw[ext + _STREAM_EXT.size:ext + _STREAM_EXT.size + head_len]
     return StreamEvent(
         pid=tgid, tid=tid, conn_id=conn_id, fd=fd, ssl=ssl, role=_ROLES[role],
         source=_SOURCES[source], end=_STREAM_ENDS[end], writes=writes, events=events,
         inexact=inexact, first_enter_ns=f_enter, first_exit_ns=f_exit, last_enter_ns=l_enter,
         last_exit_ns=l_exit, end_ns=end_ns, max_gap_ns=max_gap, sum_gap_ns=sum_gap,
         wire_bytes=wire, body_bytes=body, tails=(t0, t1) if last == 1 else (t1, t0),
-        runq_us=runq_us,
+        runq_us=runq_us, second_enter_ns=second, head=head,
     )
 
 

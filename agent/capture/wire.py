@@ -115,6 +115,7 @@ class ProcEventC(ctypes.Structure):
 
 DATA_HDR_SIZE = ctypes.sizeof(DataEventHdrC)
 STREAM_TAIL = 1024  # SITS_STREAM_TAIL: bytes kept of each of a stream's last two writes
+STREAM_HEAD = 384  # SITS_STREAM_HEAD: bytes kept of a stream's first folded write
 
 
 class StreamEventC(ctypes.Structure):
@@ -148,6 +149,10 @@ class StreamEventC(ctypes.Structure):
         ("source", ctypes.c_uint8),
         ("tail0", ctypes.c_char * STREAM_TAIL),
         ("tail1", ctypes.c_char * STREAM_TAIL),
+        ("second_enter_ns", ctypes.c_uint64),
+        ("head_len", ctypes.c_uint16),
+        ("_pad2", ctypes.c_uint8 * 6),
+        ("head", ctypes.c_char * STREAM_HEAD),
     ]
 
 
@@ -476,4 +481,5 @@ CONSTANTS: Mapping[str, int] = {
     "AF_INET6": AF_INET6,
     "RUNQ_SLOTS": RUNQ_SLOTS,
     "SITS_STREAM_TAIL": STREAM_TAIL,
+    "SITS_STREAM_HEAD": STREAM_HEAD,
 }

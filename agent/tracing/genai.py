@@ -8,8 +8,10 @@ few fields are picked out of them with anchored patterns. No prompt or completio
 only the model name, numbers and timings leave this module.
 
 Timings come from the writes themselves: time to first token is the first body write after the
-request began, time per output token the mean gap between body writes after the first (each
-streamed event is its own write), and the largest such gap.
+request began that carries output (an OpenAI chat stream's role-only first event, sent before
+any token, is skipped: agent/tracing/http1.py `is_preamble`), time per output token the mean
+gap between body writes after the first (each streamed event is its own write), and the
+largest such gap.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def _stream_timings(req: RequestHead, resp: ResponseHead) -> dict[str, AttrValue
         out["sits.gen_ai.stream.events"] = resp.sse_events - (1 if resp.sse_done else 0)
     if resp.first_body_ns is None or not resp.streamed:
         return out
-    out["sits.gen_ai.time_to_first_token_ms"] = (resp.first_body_ns - req.start_ns) / _NS_PER_MS
+    first = resp.first_token_ns if resp.first_token_ns is not None else resp.first_body_ns
+    out["sits.gen_ai.time_to_first_token_ms"] = (first - req.start_ns) / _NS_PER_MS
     if resp.body_chunks > 1 and resp.last_body_ns is not None:
         span = resp.last_body_ns - resp.first_body_ns
         out["sits.gen_ai.time_per_output_token_ms"] = span / (resp.body_chunks - 1) / _NS_PER_MS

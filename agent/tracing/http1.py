@@ -281,6 +281,11 @@ class HttpConnParser:
     def _stream_body(self, h: _Half, r: ResponseHead, s: StreamChunk) -> None:
         h.feeds += s.writes
         h.body_feed = h.feeds
+        if r.sse and r.first_token_ns is None:
+            if not is_preamble(_unframe(s.head)):
+                r.first_token_ns = s.first_enter_ns
+            elif s.second_enter_ns:
+                r.first_token_ns = s.second_enter_ns
         if r.first_body_ns is None:
             r.first_body_ns = s.first_enter_ns
         elif r.last_body_ns is not None:
@@ -597,6 +602,8 @@ class HttpConnParser:
             if h.body_feed != h.feeds:
                 h.body_feed = h.feeds
                 r.body_chunks += 1
+                if r.sse and r.first_token_ns is None and not is_preamble(data):
+                    r.first_token_ns = chunk.ts_enter_ns
                 if r.first_body_ns is None:
                     r.first_body_ns = chunk.ts_enter_ns
                 elif r.last_body_ns is not None:
@@ -1082,6 +1089,19 @@ MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/a
 def is_model_route(target: str) -> bool:
     path = target.split("?", 1)[0]
     return path.endswith(MODEL_ROUTES)
+
+
+# an OpenAI-style chat stream's first event, sent before any token: the assistant's role
+# and no text (vLLM, SGLang, the openai reference). Not a token: time to first token skips it.
+_ROLE_ONLY = re.compile(
+    rb'"delta"\s*:\s*\{\s*(?:"role"\s*:\s*"[a-z]{1,20}"\s*'
+    rb'(?:,\s*"content"\s*:\s*(?:""|null)\s*)?)?\}')
+_TEXT = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"[^"]')
+
+
+def is_preamble(event: bytes) -> bool:
+    """An SSE write that carries no output yet: a role-only (or empty) chat delta."""
+    return _ROLE_ONLY.search(event) is not None and _TEXT.search(event) is None
 
 
 def _unframe(write: bytes) -> bytes:

@@ -350,7 +350,8 @@ class Tracer:
         complete = ev.end in (StreamEnd.TERMINATOR, StreamEnd.NEXT)
         c.parser.feed_stream(StreamChunk(
             Direction.EGRESS, ev.writes, ev.events, ev.first_enter_ns, ev.last_exit_ns,
-            ev.max_gap_ns, ev.body_bytes, ev.wire_bytes, ev.end_ns, complete, ev.tails))
+            ev.max_gap_ns, ev.body_bytes, ev.wire_bytes, ev.end_ns, complete, ev.tails,
+            ev.head, ev.second_enter_ns))
 
     # ---- spans ----
 

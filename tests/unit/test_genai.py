@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role
-from sits_trace.agent.tracing.http1 import HttpConnParser
+from sits_trace.agent.tracing.http1 import HttpConnParser, is_preamble
 from sits_trace.agent.tracing.spans import SpanBuilder
 
 MS = 1_000_000
@@ -131,3 +132,19 @@ def test_prometheus_histograms_of_ttft_and_tpot() -> None:
             'gen_ai_request_model="llama-3-8b",le="0.025",service_name="llm"} 2.0') in text
     assert ('gen_ai_server_time_per_output_token_seconds_bucket{gen_ai_operation_name="chat",'
             'gen_ai_request_model="llama-3-8b",le="0.01",service_name="llm"} 0.0') in text
+
+
+@pytest.mark.parametrize(("event", "preamble"), [
+    (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+     b'"logprobs":null,"finish_reason":null}]}\n\n', True),  # vLLM, the reference server
+    (b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n', True),
+    (b'data: {"choices":[{"delta":{}}]}\n\n', True),
+    (b'data: {"choices":[{"index":0,"delta":{"content":" the"}}]}\n\n', False),
+    (b'data: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}\n\n', False),
+    (b'data: {"choices":[{"index":0,"text":" the"}]}\n\n', False),  # completions
+    (b'data: {"choices":[{"delta":{"content":""}}]}\n\n', False),  # an empty token, no role
+    (b"data: [DONE]\n\n", False),
+    (b"", False),
+])
+def test_role_only_first_event_is_a_preamble(event: bytes, preamble: bool) -> None:
+    assert is_preamble(event) is preamble

@@ -41,28 +41,40 @@ class _Fold:
     body: int = 0
     wire: int = 0
     tails: list[bytes] = field(default_factory=lambda: [b"", b""])
+    head: bytes = b""
+    second: int = 0
 
     def summary(self, complete: bool, end_ns: int = 0) -> StreamChunk:
         return StreamChunk(OUT, self.writes, self.events, self.first, self.last, self.gap,
                            self.body, self.wire, end_ns, complete,
-                           (self.tails[-2], self.tails[-1]))
+                           (self.tails[-2], self.tails[-1]), self.head, self.second)
 
     def add(self, c: Chunk, term: bool, tail: int) -> None:
         if self.writes == 0:
             self.first = c.ts_enter_ns
+            self.head = c.data[:ev.STREAM_HEAD]
         else:
+            if self.writes == 1:
+                self.second = c.ts_enter_ns
             self.gap = max(self.gap, c.ts_enter_ns - self.last)
         self.writes += 1
         self.last = c.ts_exit_ns
         self.wire += len(c.data)
         m = _CHUNK_LINE.match(c.data[:16])
-        size = int(m.group(1), 16) if m else -1
-        if m and m.end() + size + 2 + (5 if term else 0) == len(c.data):
-            self.body += size
-            self.events += c.data[m.end():m.end() + 5] == b"data:"
-        else:
-            self.body += len(c.data)
+        assert m is not None  # whole() said so
+        self.body += int(m.group(1), 16)
+        self.events += c.data[m.end():m.end() + 5] == b"data:"
         self.tails.append(c.data[:tail])
+
+
+def whole(data: bytes) -> bool:
+    """A write the kernel folds: the terminator alone, or one whole chunk (the terminator
+    may follow it)."""
+    term = data.endswith(TERMINATOR)
+    if term and len(data) == 5:
+        return True
+    m = _CHUNK_LINE.match(data[:16])
+    return m is not None and m.end() + int(m.group(1), 16) + 2 + (5 if term else 0) == len(data)
 
 
 def fold(chunks: list[Chunk], tail: int = ev.STREAM_TAIL) -> list[Record]:
@@ -76,6 +88,13 @@ def fold(chunks: list[Chunk], tail: int = ev.STREAM_TAIL) -> list[Record]:
         if c.direction == IN or first or len(c.data) < 5:
             if agg is not None:  # a read: the next request; a head or iovec write: a flush
                 out.append(agg.summary(c.direction == IN))
+                agg = None
+            out.append(c)
+            continue
+        if not whole(c.data):  # merged or split chunks: a record, after what was folded
+            if agg is not None:
+                if agg.writes:
+                    out.append(agg.summary(False))
                 agg = None
             out.append(c)
             continue
@@ -136,24 +155,32 @@ def _chunked(data: bytes) -> bytes:
 
 
 def openai_stream(n: int, gap_ms: float = 20.0, jitter: int = 7, t: int = T0,
-                  done: bool = True, terminator: str = "apart") -> list[Chunk]:
+                  done: bool = True, terminator: str = "apart", role: bool = False,
+                  merge: int = 1) -> list[Chunk]:
     """A server's writes for one streamed chat completion of `n` tokens: the request read,
-    the head, one event per write, the usage event, `data: [DONE]`, the terminator."""
+    the head, (`role`: the role-only first event vLLM sends before any token), one event per
+    write (`merge`: that many chunks a write, as a runtime that corks writes), the usage
+    event, `data: [DONE]`, the terminator."""
     req = _request()
     out = [Chunk(IN, t, t + 2000, req, len(req))]
     t += 30 * MS
     out.append(Chunk(OUT, t, t + 1500, HEAD, len(HEAD)))
     events = [b"data: " + json.dumps({"id": "c1", "model": "llama-3-8b", "choices": [
         {"index": 0, "delta": {"content": f" tok{i}"}}]}).encode() + b"\n\n" for i in range(n)]
+    if role:
+        events.insert(0, b"data: " + json.dumps({"id": "c1", "model": "llama-3-8b", "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None}]}).encode() + b"\n\n")
     events.append(b"data: " + json.dumps({"id": "c1", "model": "llama-3-8b", "choices": [],
                                           "usage": {"prompt_tokens": 17, "completion_tokens": n,
                                                     "total_tokens": 17 + n}}).encode() + b"\n\n")
     if done:
         events.append(b"data: [DONE]\n\n")
-    for i, e in enumerate(events):
+    writes = [b"".join(_chunked(e) for e in events[i:i + merge])
+              for i in range(0, len(events), merge)]
+    for i, w in enumerate(writes):
         t += int(gap_ms * MS) + (i * 7919 % (jitter * 100_000 + 1))
-        w = _chunked(e)
-        if terminator == "joined" and i == len(events) - 1:
+        if terminator == "joined" and i == len(writes) - 1:
             w += TERMINATOR
         out.append(Chunk(OUT, t, t + 900 + i % 5, w, len(w)))
     if terminator == "apart":
@@ -194,6 +221,41 @@ def test_same_attributes_as_per_write_records(n: int, terminator: str) -> None:
     old, new, _ = _both(chunks, close)
     assert new == old and len(new) == 1
     assert new[0]["_error"] is None
+
+
+@pytest.mark.parametrize("n", [1, 4, 50])
+def test_chat_role_preamble_is_not_the_first_token(n: int) -> None:
+    chunks = openai_stream(n, role=True)
+    old, new, records = _both(chunks)
+    assert new == old and len(new) == 1
+    role_write, token_write = chunks[2], chunks[3]
+    a = new[0]
+    # the first chunk is the role event; the first token is the write after it
+    assert a["sits.gen_ai.time_to_first_token_ms"] - a["sits.time_to_first_chunk_ms"] == \
+        pytest.approx((token_write.ts_enter_ns - role_write.ts_enter_ns) / MS)
+    assert a["sits.gen_ai.stream.events"] == n + 2  # role, tokens, usage
+    assert len([r for r in records if r.direction == OUT]) == 2  # still head + one summary
+
+
+def test_without_a_preamble_the_first_chunk_is_the_first_token() -> None:
+    chunks = openai_stream(6)
+    _, new, _ = _both(chunks)
+    a = new[0]
+    assert a["sits.gen_ai.time_to_first_token_ms"] == a["sits.time_to_first_chunk_ms"]
+
+
+@pytest.mark.parametrize("merge", [2, 3])
+def test_merged_events_are_records_and_counts_stay_exact(merge: int) -> None:
+    # node corks a tick's writes into one: several events a write are not folded
+    chunks = openai_stream(12, merge=merge, role=True)
+    old, new, records = _both(chunks)
+    assert new == old and len(new) == 1
+    assert new[0]["sits.gen_ai.stream.events"] == 14  # role, 12 tokens, usage
+    assert new[0]["gen_ai.usage.output_tokens"] == 12
+    merged = [r for r in records if isinstance(r, Chunk) and r.direction == OUT
+              and r.data.count(b"data:") > 1]
+    # role, 12 tokens, usage, [DONE]: 15 events, `merge` a write; each merged write a record
+    assert len(merged) == 15 // merge
 
 
 def test_keepalive_next_request_ends_the_fold() -> None:
