@@ -89,7 +89,8 @@ class LiveView:
     def add(self, span: Span) -> None:
         key = route_key(span, self.service_name)
         dur = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
-        ttft = span.attributes.get("sits.time_to_first_chunk_ms")
+        ttft = span.attributes.get("sits.gen_ai.time_to_first_token_ms",
+                                   span.attributes.get("sits.time_to_first_chunk_ms"))
         sample = _Sample(span.end_time_unix_nano, dur, is_error(span),
                          float(ttft) if isinstance(ttft, (int, float)) else math.nan, span)
         sec = span.end_time_unix_nano // 1_000_000_000

@@ -220,8 +220,12 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
     if (!st)
         return 0;
     if (st->ssl) {
+        /* only a tie to this connection: its SSL may have been freed before the socket
+         * closed, and the address already tied to a new connection */
         __u64 ssl = st->ssl;
-        ssl_conns.delete(&ssl);
+        __u64 *tied = ssl_conns.lookup(&ssl);
+        if (tied && *tied == key)
+            ssl_conns.delete(&ssl);
     }
     stream_end(key, st, STREAM_END_CLOSE);
     emit_conn(EV_CONN_CLOSE, tgid, args->fd, st, 0, -1);

@@ -10,8 +10,10 @@
  *    read, on the same thread, before any other read. So BIO_write(rbio, buf, n) with
  *    n equal to the thread's last read ties SSL* to that read's connection. The tie
  *    cannot race another client's handshake, as the thread's history at SSL_read
- *    time can (uvloop defers the first SSL_read after the handshake). For an SSL*
- *    made before the agent attached, the thread's last read is the fallback.
+ *    time can (uvloop defers the first SSL_read after the handshake), and a tie to
+ *    a live connection that holds the SSL* is kept (two streams of one client get
+ *    records of one size). For an SSL* made before the agent attached, or one no
+ *    BIO_write named yet (node's own BIO), the thread's last read is the fallback.
  * Either way the connection is marked TLS and its ciphertext is no longer
  * emitted. Costs a task-storage write per SSL call plus one EV_DATA record.
  * Shares sockio.h with http.c (per-thread state, SSL* -> connection).
@@ -68,6 +70,16 @@ static __always_inline int bio_write(struct pt_regs *ctx)
         return 0;
     __u64 k = t->last_read_conn;
     __u64 s = *ssl;
+    /* a length is not a name: two streams of one client get records of one size. An SSL*
+     * already tied to a live connection that holds it keeps its tie (a tie is made at the
+     * handshake's first record, and undone when its connection closes) */
+    __u64 *cur = ssl_conns.lookup(&s);
+    if (cur && *cur != k) {
+        __u64 ck = *cur;
+        struct conn_state *owner = conns.lookup(&ck);
+        if (owner && owner->ssl == s)
+            return 0;
+    }
     struct conn_state *st = conns.lookup(&k);
     if (!st)
         return 0;

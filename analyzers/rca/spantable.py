@@ -2,7 +2,8 @@
 the analysis then works on whole windows with pandas/numpy.
 
 Columns (NaN where the span lacks the signal):
-  end_ns, start_ns, dur_ms, ttfb_ms, ttft_ms (sits.time_to_first_chunk_ms), tbt_ms (mean time
+  end_ns, start_ns, dur_ms, ttfb_ms, ttft_ms (sits.gen_ai.time_to_first_token_ms on model
+  routes, else sits.time_to_first_chunk_ms), tbt_ms (mean time
   between chunks: (last chunk - first chunk) / (chunks - 1)), chunks, req_bytes, resp_bytes,
   error (0/1), runq_ms, retrans, srtt_ms, cuda_sync_ms, cuda_copy_ms, cuda_h2d_bytes,
   gpu_index, gpu_clock_reasons, gpu_sm_clock_mhz, weight (1 / sampling.probability),
@@ -55,11 +56,13 @@ def span_row(s: Span, service: str) -> Row:
     g = s.attributes.get
     prob = _f(g("sampling.probability"))
     srv = g("server.address")
-    ttft, n = _f(g("sits.time_to_first_chunk_ms")), _f(g("sits.stream.chunks"))
+    first, n = _f(g("sits.time_to_first_chunk_ms")), _f(g("sits.stream.chunks"))
+    token = g("sits.gen_ai.time_to_first_token_ms")  # a chat stream's role event skipped
+    ttft = first if token is None else _f(token)
     end, start = s.end_time_unix_nano, s.start_time_unix_nano
     return (
         float(end), float(start), (end - start) / 1e6, _f(g("sits.ttfb_ms")), ttft,
-        _tbt_ms(ttft, _f(g("sits.time_to_last_chunk_ms")), n), n,
+        _tbt_ms(first, _f(g("sits.time_to_last_chunk_ms")), n), n,
         _f(g("http.request.body.size")), _f(g("http.response.body.size")),
         1.0 if s.status_code == "ERROR" else 0.0, _f(g("sits.cpu.runq_delay_us")) * 1e-3,
         _f(g("sits.tcp.retransmits")), _f(g("sits.tcp.srtt_us")) * 1e-3,

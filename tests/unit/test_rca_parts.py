@@ -155,3 +155,17 @@ def test_cpu_culprit_prefers_a_process_of_the_victims_session() -> None:
     cul, ev = rank.explain("cpu_starvation", d, ctx, rank.features(d, ctx))
     assert cul == {"pid": N, "name": "near"}
     assert ev[-1].observed == pytest.approx(0.7)
+
+
+def test_ttft_is_the_first_token_not_a_chat_role_event() -> None:
+    from sits_trace.analyzers.rca.spantable import COLUMNS, span_row
+
+    attrs: dict[str, object] = {"sits.time_to_first_chunk_ms": 2.0,
+                                "sits.time_to_last_chunk_ms": 92.0, "sits.stream.chunks": 10}
+    row = dict(zip(COLUMNS, span_row(Span("a" * 32, "b" * 16, None, "POST", "SERVER", 0,
+                                          10**8, dict(attrs)), "svc")))  # type: ignore[arg-type]
+    assert row["ttft_ms"] == 2.0 and row["tbt_ms"] == 10.0
+    attrs["sits.gen_ai.time_to_first_token_ms"] = 41.5  # after vLLM's role-only first event
+    row = dict(zip(COLUMNS, span_row(Span("a" * 32, "b" * 16, None, "POST", "SERVER", 0,
+                                          10**8, dict(attrs)), "svc")))  # type: ignore[arg-type]
+    assert row["ttft_ms"] == 41.5 and row["tbt_ms"] == 10.0  # time between chunks unchanged
