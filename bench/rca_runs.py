@@ -50,7 +50,11 @@ def _data_dir() -> Path:
 
 
 DATA = _data_dir()
-TRACE = DATA / "azure_llm_inference_2023_conv.csv"
+# the whole trace beside the checkout, else the repository's excerpt (a clean clone)
+TRACE = next((p for p in (DATA / "azure_llm_inference_2023_conv.csv",
+                          Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "azure"
+                          / "conv_first_120.csv") if p.is_file()),
+             DATA / "azure_llm_inference_2023_conv.csv")
 TOKEN_CPU_ITERS = 20  # sha256 rounds of 4 KiB per output token (~0.1 ms CPU)
 TOKEN_SLEEP_S = 0.004  # the "GPU" time of a decode step
 SLOTS = 3  # requests served at once; the rest wait (dynamic batching stand-in)

@@ -22,6 +22,7 @@ import asyncio
 import csv
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -32,7 +33,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-DATA = Path("/work/shared/data")
+
+def _data_dir() -> Path:
+    """$SITS_DATA_DIR, else ../shared/data beside the checkout (or a worktree's)."""
+    env = os.environ.get("SITS_DATA_DIR")
+    if env:
+        return Path(env)
+    for parent in Path(__file__).resolve().parents[1:4]:
+        if (parent / "shared" / "data").is_dir():
+            return parent / "shared" / "data"
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+DATA = _data_dir()
 TRACES = {"conv": "azure_llm_inference_2023_conv.csv", "code": "azure_llm_inference_2023_code.csv"}
 WORDS = ("the", "model", "token", "batch", "cache", "layer", "prompt", "stream", "queue", "node",
          "kernel", "copy", "tensor", "graph", "shard", "rank")

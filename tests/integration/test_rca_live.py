@@ -19,15 +19,12 @@ import pytest
 
 from .harness import SITS, free_port, have, wait_port
 
-pytestmark = [
-    pytest.mark.bpf,
-    # issue 12, open: alone these pass (3 passed in 179 s, twice); in the full suite, run after
-    # tests/integration/test_operator_errors.py, `sits-trace rca --json` gave no verdict at all
-    # in two CI runs. The interaction is not found yet; not strict, so a pass shows as XPASS.
-    pytest.mark.xfail(reason="issue 12: no verdicts when run after the rest of the suite "
-                      "(passes alone); cause not found", strict=False),
-]
+pytestmark = pytest.mark.bpf
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rca_runs.py"
+# request sizes from the repository's excerpt of the Azure trace: a clean clone has no
+# ../shared/data (the load generator exited at once there, and no verdict came: CI's
+# "no verdicts in the full suite" of stop 15)
+TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "azure" / "conv_first_120.csv"
 
 
 def _tree(pid: int) -> set[int]:
@@ -92,7 +89,7 @@ def test_cpu_competitor_in_the_servers_session_is_named(tmp_path: Path) -> None:
         wait_port(port)
         rca = _Rca("-p", str(procs[1].pid), "--window", "2", "--duration", "80")
         procs.append(_spawn("load", "--port", str(port), "--rate", "8", "--seed", "5",
-                            "--control", str(control)))
+                            "--control", str(control), "--trace", str(TRACE)))
         time.sleep(24)  # the baseline: a dozen normal windows
         t_fault = time.time_ns()
         stress = subprocess.Popen(["stress-ng", "--cpu", "3", "--timeout", "60"],
@@ -151,7 +148,7 @@ def test_network_fault_between_client_and_server_is_named(tmp_path: Path, cause:
             time.sleep(1.0)
             load = topo.popen("client", [sys.executable, str(BENCH), "load", "--port", str(port),
                                          "--rate", "6", "--seed", "3", "--control", str(control),
-                                         "--host", host])
+                                         "--host", host, "--trace", str(TRACE)])
             rca = _Rca("-p", str(procs[1].pid), "-p", str(load.pid), "--window", "2",
                        "--duration", "70")
             time.sleep(24)
