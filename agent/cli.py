@@ -367,7 +367,7 @@ def rca(
         engine = build_engine(cfg.rca, cfg.slo, window_s=window,
                               service_name=cfg.export.service_name,
                               frame=lambda: holder[0].features.frame()
-                              if holder and holder[0].features is not None else None)
+                              if holder and holder[0].features is not None else None, live=True)
     except SetupError as exc:
         _fail(str(exc))
     agent = Agent(cfg, engine.add)

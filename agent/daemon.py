@@ -120,7 +120,8 @@ class Agent:
         from sits_trace.analyzers.rca.setup import build_engine  # noqa: PLC0415
 
         engine = build_engine(self.cfg.rca, self.cfg.slo, service_name=self.cfg.export.service_name,
-                              frame=lambda: self.features.frame() if self.features else None)
+                              frame=lambda: self.features.frame() if self.features else None,
+                              live=True)
         self.rca_metrics = VerdictMetrics(fresh_s=2 * engine.s.window_s)
         sinks: list[Callable[[Verdict], None]] = [self.rca_metrics.observe]
         e = self.cfg.export

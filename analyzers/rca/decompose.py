@@ -72,11 +72,14 @@ def components(df: pd.DataFrame, metric: str) -> dict[str, np.ndarray]:
 
 def dependency_ms(req: pd.DataFrame, deps: pd.DataFrame, calls_per_request: float) -> float:
     """Time in outgoing calls per request: the mean duration of the CLIENT spans of the
-    serving processes times the calls a request makes (counted over baseline and window
+    serving processes, less the caller's own run-queue wait inside each (a starved caller
+    reads the answer late; that wait is in the SERVER span's runq_ms, cpu_starvation's term,
+    and counted once), times the calls a request makes (counted over baseline and window
     together: a window's own ratio is noisy at its edges)."""
     if not len(req) or not len(deps):
         return 0.0
-    return float(np.mean(_col(deps, "dur_ms"))) * calls_per_request
+    callee = np.maximum(_col(deps, "dur_ms") - _col(deps, "runq_ms"), 0.0)
+    return float(np.mean(callee)) * calls_per_request
 
 
 def size_model(base: pd.DataFrame, metric: str) -> np.ndarray | None:

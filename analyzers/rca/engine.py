@@ -59,13 +59,15 @@ class RcaEngine:
                  model: LinearModel | None = None,
                  frame: Callable[[], pd.DataFrame | None] | None = None,
                  clock_ns: Callable[[], int] = time.time_ns,
-                 exclude_pids: set[int] | None = None) -> None:
+                 exclude_pids: set[int] | None = None,
+                 peer_pids: Callable[[str], set[int]] | None = None) -> None:
         self.s = settings
         self.slos = list(slos)
         self.model = model
         self._frame = frame
         self._clock = clock_ns
         self._exclude = exclude_pids
+        self._peer_pids = peer_pids  # a callee's processes on this node (live only)
         self._rows: list[Row] = []
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, str | None, int], _Group] = {}
@@ -172,6 +174,8 @@ class RcaEngine:
                            *self._frames(t0, t1, b0, b1))
         if self._exclude is not None:
             ctx.exclude_pids = self._exclude
+        ctx.peer_pids, ctx.win_s = self._peer_pids, (t1 - t0) / 1e9
+        rank.starved_dependency(d, ctx)
         f = rank.features(d, ctx)
         rules = rank.heuristic(d, f)
         f.update({k: rules.get(k[2:], 0.0) for k in rank.RULE_FEATURES})

@@ -1,8 +1,9 @@
 """Per-process CPU time, memory and faults from /proc, sampled about once a second: what
 names the competing process behind cpu_starvation and host_memory_pressure.
 
-One snapshot reads /proc/<pid>/stat of every process (a few ms for a few hundred processes)
-and the node's pressure-stall totals (/proc/pressure/{cpu,memory}). The analysis compares two
+One snapshot reads /proc/<pid>/stat and /proc/<pid>/schedstat (the main thread's time waiting
+for a CPU) of every process (a few ms for a few hundred processes) and the node's pressure-stall
+totals (/proc/pressure/{cpu,memory}). The analysis compares two
 snapshots at a window's edges with those at the baseline's edges.
 """
 
@@ -18,13 +19,15 @@ import numpy as np
 
 _TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 _PAGE_MB = (os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096) / 2**20
-ProcStat = tuple[str, float, float, float, float, int]  # comm, cpu s, rss MB, majflt, minflt, sid
+ProcStat = tuple[str, float, float, float, float, int, float]
+# comm, cpu s, rss MB, majflt, minflt, session id, run-queue wait s (main thread)
 
 
 @dataclass(slots=True)
 class ProcSnapshot:
     """The node's processes at one moment: pid -> (comm, cpu seconds, rss MB, major faults,
-    minor faults, session id), and pressure-stall totals in seconds."""
+    minor faults, session id, seconds the main thread waited for a CPU), and pressure-stall
+    totals in seconds."""
 
     t_ns: int
     procs: dict[int, ProcStat] = field(default_factory=dict)
@@ -37,12 +40,13 @@ class ProcSnapshot:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ProcSnapshot:
         procs = {int(r[0]): (str(r[1]), float(r[2]), float(r[3]), float(r[4]), float(r[5]),
-                             int(r[6]) if len(r) > 6 else 0) for r in d.get("procs", ())}
+                             int(r[6]) if len(r) > 6 else 0, float(r[7]) if len(r) > 7 else 0.0)
+                 for r in d.get("procs", ())}
         return cls(int(d["t"]), procs, {k: float(v) for k, v in d.get("psi", {}).items()})
 
 
 def parse_stat(text: str) -> ProcStat | None:
-    """(comm, cpu s, rss MB, majflt, minflt, session) from one /proc/<pid>/stat line."""
+    """(comm, cpu s, rss MB, majflt, minflt, session, 0.0) from one /proc/<pid>/stat line."""
     head, sep, rest = text.rpartition(")")
     if not sep:
         return None
@@ -51,9 +55,18 @@ def parse_stat(text: str) -> ProcStat | None:
         # stime 15, rss 24 (proc(5))
         cpu = (int(f[11]) + int(f[12])) / _TICK
         return (head.partition("(")[2], cpu, int(f[21]) * _PAGE_MB, float(f[9]), float(f[7]),
-                int(f[3]))
+                int(f[3]), 0.0)
     except (IndexError, ValueError):
         return None
+
+
+def parse_schedstat(text: str) -> float:
+    """Seconds waited on a run queue, from /proc/<pid>/schedstat ("run_ns wait_ns slices")."""
+    f = text.split()
+    try:
+        return int(f[1]) / 1e9
+    except (IndexError, ValueError):
+        return 0.0
 
 
 def parse_psi(text: str) -> float | None:
@@ -83,7 +96,8 @@ class ProcSampler:
                 st = _read(f"{self.root}/{name}/stat")
                 parsed = parse_stat(st) if st else None
                 if parsed is not None:
-                    snap.procs[int(name)] = parsed
+                    ss = _read(f"{self.root}/{name}/schedstat")
+                    snap.procs[int(name)] = (*parsed[:6], parse_schedstat(ss) if ss else 0.0)
         for res in ("cpu", "memory"):
             txt = _read(f"{self.root}/pressure/{res}")
             v = parse_psi(txt) if txt else None
@@ -112,9 +126,10 @@ class ProcDelta:
     comm: dict[int, str]
     psi: dict[str, float]  # fraction of the time stalled
     session: dict[int, int] = field(default_factory=dict)  # session id (autogroup scheduling)
+    runq_per_s: dict[int, float] = field(default_factory=dict)  # s waiting for a CPU per s
 
 
-_NONE: ProcStat = ("", 0.0, 0.0, 0.0, 0.0, 0)
+_NONE: ProcStat = ("", 0.0, 0.0, 0.0, 0.0, 0, 0.0)
 
 
 def delta(a: ProcSnapshot, b: ProcSnapshot) -> ProcDelta:
@@ -132,6 +147,7 @@ def delta(a: ProcSnapshot, b: ProcSnapshot) -> ProcDelta:
         {p: b.procs[p][0] for p in keys},
         {k: max(0.0, v - a.psi.get(k, v)) / dt for k, v in b.psi.items()},
         {p: b.procs[p][5] for p in keys},
+        {p: max(0.0, b.procs[p][6] - a.procs.get(p, _NONE)[6]) / dt for p in keys},
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,9 @@ class Context:
     frame_win: pd.DataFrame | None = None  # feature-frame rows of the window (GPU culprits)
     frame_base: pd.DataFrame | None = None
     exclude_pids: set[int] = field(default_factory=lambda: {os.getpid()})
+    # "host:port" -> the processes on this node serving it (listeners.local_pids when live)
+    peer_pids: Callable[[str], set[int]] | None = None
+    win_s: float = 0.0  # the window's length
 
 
 def _lr(pair: tuple[float, float]) -> float:
@@ -231,12 +234,42 @@ def _ev(d: Decomposition, *names: str) -> list[Evidence]:
     return [Evidence(n, *d.signals[n]) for n in names if n in d.signals]
 
 
+def starved_dependency(d: Decomposition, ctx: Context) -> None:
+    """A dependency on this node that waited longer for a CPU while another process's CPU use
+    rose is slow because of that competition: its run-queue wait in the window, spread over
+    the window's requests (at most what the dependency explains), moves from slow_dependency
+    to cpu_starvation in `d`. A dependency waiting on its own (no competitor), or elsewhere,
+    stays slow_dependency. Live CI run: a stress-ng in the test's session starved the server
+    and its local dependency; slow_dependency led with 3.6 ms of 7.8."""
+    dep_ms = d.explained_ms.get(C.SLOW_DEPENDENCY, 0.0)
+    pw, pb = ctx.proc_win, ctx.proc_base
+    if dep_ms <= 0 or ctx.peer_pids is None or pw is None or not len(ctx.win) or ctx.win_s <= 0:
+        return
+    cul = _dep_culprit(ctx)
+    if cul is None:
+        return
+    pids = ctx.peer_pids(str(cul["peer"])) - ctx.victim_pids
+    if not pids:
+        return
+    others = [r for r in competitors(ctx) if r[0] not in pids and r[3] - r[2] >= MIN_COMPETITOR_CORES]
+    if not others:
+        return
+    w = sum(pw.runq_per_s.get(p, 0.0) for p in pids)
+    b = sum(pb.runq_per_s.get(p, 0.0) for p in pids) if pb is not None else 0.0
+    if w <= b:
+        return
+    moved = min(dep_ms, (w - b) * ctx.win_s * 1000.0 / len(ctx.win))
+    d.explained_ms[C.SLOW_DEPENDENCY] = dep_ms - moved
+    d.explained_ms[C.CPU_STARVATION] = d.explained_ms.get(C.CPU_STARVATION, 0.0) + moved
+    d.signals["dependency_runq_ms_per_s"] = (b * 1000.0, w * 1000.0)
+
+
 def explain(cause: str, d: Decomposition, ctx: Context,
             f: Mapping[str, float]) -> tuple[Culprit | None, list[Evidence]]:
     """The culprit and evidence of one cause."""
     if cause == C.CPU_STARVATION:
         cul, _, ev = _cpu_culprit(ctx)
-        return cul, _ev(d, "runq_ms") + ev
+        return cul, _ev(d, "runq_ms", "dependency_runq_ms_per_s") + ev
     if cause == C.HOST_MEMORY_PRESSURE:
         cul, _, ev = _rss_culprit(ctx)
         return cul, _ev(d, "psi_memory_some") + ev
@@ -245,7 +278,7 @@ def explain(cause: str, d: Decomposition, ctx: Context,
     if cause == C.NETWORK_DELAY:
         return _peer_culprit(ctx.win, "srtt_ms", "peer"), _ev(d, "srtt_ms")
     if cause == C.SLOW_DEPENDENCY:
-        return _dep_culprit(ctx), _ev(d, "dependency_ms_per_request")
+        return _dep_culprit(ctx), _ev(d, "dependency_ms_per_request", "dependency_runq_ms_per_s")
     if cause == C.PCIE_CONTENTION:
         return _gpu_pid_culprit(ctx, "cuda_h2d_bytes_per_s"), _ev(d, "cuda_copy_ms", "cuda_sync_ms")
     if cause == C.GPU_COMPUTE_CONTENTION:

@@ -15,7 +15,7 @@ from sits_trace.analyzers.rca.verdict import Verdict
 
 T0 = 1_700_000_000_000_000_000
 SEC = 1_000_000_000
-VICTIM, OTHER, HOG = 100, 200, 300
+VICTIM, OTHER, HOG, DEP = 100, 200, 300, 400
 
 Attrs = Callable[[np.random.Generator, bool], dict[str, float | str]]
 
@@ -33,13 +33,18 @@ def _span(start: int, dur_ms: float, attrs: dict[str, float | str], kind: str = 
 
 def _run(extra: Attrs, *, seconds: int = 40, fault_at: int = 30, rate: int = 40,
          hog_cores: float = 0.0, slos: list[dict[str, object]] | None = None,
-         deps: bool = False, dep_ms: Callable[[bool], float] | None = None) -> list[Verdict]:
+         deps: bool = False, dep_ms: Callable[[bool], float] | None = None,
+         dep_runq_s: float = 0.0, local_dep: bool = False,
+         dep_wait_us: Callable[[bool], float] | None = None) -> list[Verdict]:
     """A server answering `rate` requests a second in ~5 ms; from `fault_at` the fault: `extra`
     adds attributes (and its own latency via "dur_ms")."""
     rng = np.random.default_rng(7)
     eng = RcaEngine(RcaSettings(window_s=2), parse_slos(slos or []), model=None,
-                    exclude_pids=set())
-    cpu = {VICTIM: 0.0, OTHER: 0.0, HOG: 0.0}
+                    exclude_pids=set(),
+                    peer_pids=(lambda p: {DEP} if p == "10.0.0.50:9000" else set())
+                    if local_dep else None)
+    cpu = {VICTIM: 0.0, OTHER: 0.0, HOG: 0.0, DEP: 0.0}
+    runq = 0.0
     out: list[Verdict] = []
     for sec in range(seconds):
         fault = sec >= fault_at
@@ -51,16 +56,21 @@ def _run(extra: Attrs, *, seconds: int = 40, fault_at: int = 30, rate: int = 40,
             spans.append(_span(start, dur, a))
             if deps and dep_ms is not None:
                 d = dep_ms(fault)
-                spans.append(_span(start + 100_000, d, {"server.address": "10.0.0.50",
-                                                        "server.port": 9000}, kind="CLIENT"))
+                da: dict[str, float | str] = {"server.address": "10.0.0.50", "server.port": 9000}
+                if dep_wait_us is not None:  # the caller's own run-queue wait inside the call
+                    da["sits.cpu.runq_delay_us"] = dep_wait_us(fault)
+                spans.append(_span(start + 100_000, d, da, kind="CLIENT"))
         for s in spans:
             out += eng.advance(s.end_time_unix_nano)
             eng.add(s)
         cpu[VICTIM] += 0.3
         cpu[OTHER] += 0.05
         cpu[HOG] += hog_cores if fault else 0.01
+        cpu[DEP] += 0.02
+        runq += dep_runq_s if fault else 0.0001  # the dependency's wait for a CPU, this second
         eng.add_procs(ProcSnapshot(T0 + (sec + 1) * SEC,
-                                   {p: (f"p{p}", c, 50.0, 0.0, 0.0, p) for p, c in cpu.items()}))
+                                   {p: (f"p{p}", c, 50.0, 0.0, 0.0, p, runq if p == DEP else 0.0)
+                                    for p, c in cpu.items()}))
     out += eng.advance(T0 + (seconds + 5) * SEC)
     return out
 
@@ -121,6 +131,55 @@ def test_slow_outgoing_calls_name_slow_dependency() -> None:
     assert vs and vs[0].causes[0].cause == "slow_dependency"
     assert vs[0].causes[0].culprit == {"peer": "10.0.0.50:9000"}
     assert vs[0].causes[0].explained_ms == pytest.approx(29.0, abs=1.0)
+
+
+def _slow_dep(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+    return {"dur_ms": 29.0 if fault else 0.0}
+
+
+def _dep(fault: bool) -> float:
+    return 30.0 if fault else 1.0
+
+
+def test_local_dependency_starved_by_a_competitor_is_cpu_starvation() -> None:
+    """The dependency runs on this node and waited 0.6 s a second for a CPU while a hog took
+    1.6 cores: at 40 requests a second, 15 ms of each request's 29 ms are that wait."""
+    vs = _run(_slow_dep, deps=True, dep_ms=_dep, hog_cores=1.6, dep_runq_s=0.6, local_dep=True)
+    assert vs and vs[0].causes[0].cause == "cpu_starvation", vs[0].causes
+    top = vs[0].causes[0]
+    assert top.culprit == {"pid": HOG, "name": f"p{HOG}"}
+    ev = {e.signal: e for e in top.evidence}
+    assert ev["dependency_runq_ms_per_s"].observed == pytest.approx(600.0, rel=0.05)
+    assert top.explained_ms == pytest.approx(15.0, abs=1.0)
+    dep = {c.cause: c for c in vs[0].causes}["slow_dependency"]
+    assert dep.explained_ms == pytest.approx(14.0, abs=1.0)  # the rest stays the dependency's
+
+
+def test_a_starved_caller_reading_its_answer_late_is_not_a_slow_dependency() -> None:
+    """The calls took 20 ms longer, all of it the caller waiting for a CPU (the CLIENT spans'
+    runq_delay_us; the SERVER spans carry it too): cpu_starvation, the dependency explains
+    nothing."""
+    def starved(rng: np.random.Generator, fault: bool) -> dict[str, float | str]:
+        return {"sits.cpu.runq_delay_us": 20_000.0 if fault else 50.0,
+                "dur_ms": 20.0 if fault else 0.0}
+
+    vs = _run(starved, deps=True, dep_ms=lambda f: 21.0 if f else 1.0, hog_cores=1.6,
+              dep_wait_us=lambda f: 20_000.0 if f else 0.0)
+    assert vs and vs[0].causes[0].cause == "cpu_starvation", vs[0].causes
+    dep = {c.cause: c for c in vs[0].causes}.get("slow_dependency")
+    assert dep is None or abs(dep.explained_ms) < 1.0
+    assert vs[0].causes[0].explained_ms == pytest.approx(20.0, abs=1.0)
+
+
+@pytest.mark.parametrize(("hog", "runq", "local"), [(1.6, 0.0001, True), (0.0, 0.6, True),
+                                                    (1.6, 0.6, False)])
+def test_dependency_stays_slow_dependency_unless_starved_here(hog: float, runq: float,
+                                                              local: bool) -> None:
+    """No rise in its CPU wait, no competitor (its own load), or not on this node: the
+    dependency is what is slow."""
+    vs = _run(_slow_dep, deps=True, dep_ms=_dep, hog_cores=hog, dep_runq_s=runq, local_dep=local)
+    assert vs and vs[0].causes[0].cause == "slow_dependency", vs[0].causes
+    assert vs[0].causes[0].culprit == {"peer": "10.0.0.50:9000"}
 
 
 def test_longer_outputs_name_request_mix_shift() -> None:

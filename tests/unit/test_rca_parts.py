@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +23,11 @@ STAT = ("4242 (stress ng (cpu)) R 1 4242 4200 0 -1 4194304 1500 0 7 0 250 50 0 0
 def test_parse_stat_reads_comm_with_spaces_and_fields() -> None:
     got = parse_stat(STAT)
     assert got is not None
-    comm, cpu, rss_mb, majflt, minflt, session = got
+    comm, cpu, rss_mb, majflt, minflt, session, runq = got
     assert comm == "stress ng (cpu)"
     assert cpu == pytest.approx(300 / 100)  # utime + stime ticks at 100 Hz
     assert rss_mb == pytest.approx(2560 * 4096 / 2**20)
-    assert (majflt, minflt, session) == (7.0, 1500.0, 4200)
+    assert (majflt, minflt, session, runq) == (7.0, 1500.0, 4200, 0.0)
     assert parse_stat("garbage") is None
 
 
@@ -47,9 +48,9 @@ def test_sampler_on_a_fake_proc_tree(tmp_path: Path) -> None:
 
 
 def test_delta_is_per_second_and_new_processes_count_from_zero() -> None:
-    a = ProcSnapshot(0, {1: ("a", 10.0, 100.0, 0.0, 0.0, 1)}, {"memory_some": 1.0})
-    b = ProcSnapshot(2_000_000_000, {1: ("a", 11.0, 300.0, 4.0, 0.0, 1),
-                                     2: ("b", 3.0, 50.0, 0.0, 0.0, 2)}, {"memory_some": 1.5})
+    a = ProcSnapshot(0, {1: ("a", 10.0, 100.0, 0.0, 0.0, 1, 0.0)}, {"memory_some": 1.0})
+    b = ProcSnapshot(2_000_000_000, {1: ("a", 11.0, 300.0, 4.0, 0.0, 1, 0.0),
+                                     2: ("b", 3.0, 50.0, 0.0, 0.0, 2, 0.0)}, {"memory_some": 1.5})
     d = delta(a, b)
     assert d.cpu_cores == {1: 0.5, 2: 1.5}
     assert d.rss_growth_mb[1] == 200.0 and d.majflt_per_s[1] == 2.0
@@ -86,7 +87,7 @@ def test_recording_round_trip_and_appended_labels(tmp_path: Path) -> None:
     p = tmp_path / "r.jsonl.gz"
     w = Writer(p, 5.0, 1, agent_pid=77)
     w.span(Span("a" * 32, "b" * 16, None, "GET", "SERVER", 10, 20, {"process.pid": 3}))
-    w.procs(ProcSnapshot(15, {3: ("srv", 1.0, 2.0, 0.0, 0.0, 3)}, {"cpu_some": 0.5}))
+    w.procs(ProcSnapshot(15, {3: ("srv", 1.0, 2.0, 0.0, 0.0, 3, 0.0)}, {"cpu_some": 0.5}))
     w.frame(15, {("cpu_runq_delay_s_per_s", "pid3"): 0.25})
     w.close()
     with gzip.open(p, "at") as f:  # the fault runner appends labels as a second member
@@ -144,11 +145,11 @@ def test_cpu_culprit_prefers_a_process_of_the_victims_session() -> None:
     from sits_trace.analyzers.rca.spantable import empty_frame
 
     V, F, N = 4190010, 4190020, 4190030  # no such processes: affinity unknown, shared
-    a = ProcSnapshot(0, {V: ("srv", 0.0, 1.0, 0.0, 0.0, V), F: ("far", 0.0, 1.0, 0.0, 0.0, F),
-                         N: ("near", 0.0, 1.0, 0.0, 0.0, V)})
-    b = ProcSnapshot(10**9, {V: ("srv", 0.3, 1.0, 0.0, 0.0, V),
-                             F: ("far", 0.9, 1.0, 0.0, 0.0, F),
-                             N: ("near", 0.7, 1.0, 0.0, 0.0, V)})
+    a = ProcSnapshot(0, {V: ("srv", 0.0, 1.0, 0.0, 0.0, V, 0.0), F: ("far", 0.0, 1.0, 0.0, 0.0, F, 0.0),
+                         N: ("near", 0.0, 1.0, 0.0, 0.0, V, 0.0)})
+    b = ProcSnapshot(10**9, {V: ("srv", 0.3, 1.0, 0.0, 0.0, V, 0.0),
+                             F: ("far", 0.9, 1.0, 0.0, 0.0, F, 0.0),
+                             N: ("near", 0.7, 1.0, 0.0, 0.0, V, 0.0)})
     df = empty_frame()
     ctx = rank.Context({V}, df, df, proc_win=delta(a, b), exclude_pids=set())
     d = decompose(df, df, "duration_ms")
@@ -169,3 +170,29 @@ def test_ttft_is_the_first_token_not_a_chat_role_event() -> None:
     row = dict(zip(COLUMNS, span_row(Span("a" * 32, "b" * 16, None, "POST", "SERVER", 0,
                                           10**8, dict(attrs)), "svc")))  # type: ignore[arg-type]
     assert row["ttft_ms"] == 41.5 and row["tbt_ms"] == 10.0  # time between chunks unchanged
+
+
+def test_local_pids_finds_the_listener_of_a_local_address_only() -> None:
+    """A dependency's processes on this node, by socket diagnostics (pyroute2): this process
+    listens; a remote address, a name and garbage find nobody."""
+    import socket
+
+    from sits_trace.analyzers.rca.listeners import local_pids
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert local_pids(f"127.0.0.1:{port}") == {os.getpid()}
+        assert local_pids(f"localhost:{port}") == {os.getpid()}
+        assert local_pids(f"198.51.100.200:{port}") == set()  # an address not on this node
+        assert local_pids(f"dep.example:{port}") == set()
+        assert local_pids("no port") == set()
+    assert local_pids(f"127.0.0.1:{port}") == set()  # closed: nobody
+
+
+def test_schedstat_wait_is_the_second_field() -> None:
+    from sits_trace.analyzers.rca.procs import parse_schedstat
+
+    assert parse_schedstat("123456 2500000000 17\n") == 2.5
+    assert parse_schedstat("junk") == 0.0
