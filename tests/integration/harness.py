@@ -55,12 +55,16 @@ class Tracer:
     def __init__(self, *args: str) -> None:
         self.spans: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        # the agent's counters (written every 5 s), its own file: a test can say what it lost
+        fd, name = tempfile.mkstemp(prefix="sits-stats-", suffix=".json")
+        os.close(fd)
+        self.stats_path = Path(name)
         self.proc = subprocess.Popen(
             # full capture unless a test says otherwise: these tests count every request, and
             # a loaded CI machine must not make the agent shed load (test_load_shedding does)
             [SITS, "trace", "--json", *(() if "--cpu-budget" in args else ("--cpu-budget", "0")),
              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, bufsize=1,
+            text=True, bufsize=1, env={**os.environ, "SITS_STATS_PATH": str(self.stats_path)},
         )
         self.stderr_lines: list[str] = []
         self._err = threading.Thread(target=self._read_err, daemon=True)
@@ -111,7 +115,18 @@ class Tracer:
         return self.wait_for(
             lambda s: s["attributes"].get("http.request.header.x-request-id") == rid, count, timeout)
 
+    def counters(self, settle_s: float = 6.0) -> dict[str, Any]:
+        """The agent's newest counters (kernel events seen and lost, spans, sheds), after
+        `settle_s` (the agent writes them every 5 s); {} when none were written."""
+        time.sleep(settle_s)
+        try:
+            out: dict[str, Any] = json.loads(self.stats_path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+        return out
+
     def stop(self) -> str:
+        self.stats_path.unlink(missing_ok=True)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:

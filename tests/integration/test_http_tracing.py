@@ -6,6 +6,8 @@ each test tags its requests with its own x-request-id and asserts on those spans
 
 from __future__ import annotations
 
+import collections
+import json
 import socket
 import ssl
 import subprocess
@@ -123,7 +125,11 @@ def test_load_generator_every_request_exactly_once(tracer: Tracer, nginx: Nginx)
     subprocess.run(["hey", "-n", str(n), "-c", "8", "-H", f"x-request-id: {r}",
                     f"http://127.0.0.1:{nginx.http_port}/"], check=True, capture_output=True)
     spans = [s for s in tracer.by_request_id(r, count=n, timeout=30) if s["kind"] == "SERVER"]
-    assert len(spans) == n
+    if len(spans) != n:  # say where they went: per connection, and the agent's counters
+        per_conn = collections.Counter(attrs(s).get("client.port") for s in spans)
+        raise AssertionError(f"{len(spans)} of {n} spans; nginx logged "
+                             f"{len(nginx.log_entries(r))}; per client port {dict(per_conn)}; "
+                             f"agent counters {json.dumps(tracer.counters())}")
     assert len(nginx.log_entries(r)) == n
     assert all(attrs(s)["http.response.status_code"] == 200 for s in spans)
     assert len({s["span_id"] for s in spans}) == n
