@@ -180,7 +180,32 @@ def random_ac(k: int) -> float:
     return min(1.0, k / len(CANDIDATES))
 
 
-def evaluate(paths: Sequence[Path], model: LinearModel | None) -> list[Episode]:
+RECOVERY_S = 15.0  # after a fault ends, windows still holding its slow requests
+
+
+@dataclass
+class Alarms:
+    """Verdicts of ours outside every fault (and its recovery): false alarms, over the
+    seconds of normal traffic the runs hold."""
+
+    count: int = 0
+    normal_s: float = 0.0
+
+
+def false_alarms(rec: Recording, vs: Sequence[Verdict], eps: Sequence[Episode]) -> Alarms:
+    if not rec.spans:
+        return Alarms()
+    t0 = min(s.start_time_unix_nano for s in rec.spans)
+    t1 = max(s.end_time_unix_nano for s in rec.spans)
+    busy = [(e.start_ns, e.end_ns + int(RECOVERY_S * 1e9)) for e in eps]
+    n = sum(1 for v in vs if not any(a < v.window_end_unix_nano and v.window_start_unix_nano < b
+                                     for a, b in busy))
+    fault_s = sum(min(b, t1) - max(a, t0) for a, b in busy if b > t0 and a < t1) / 1e9
+    return Alarms(n, max(0.0, (t1 - t0) / 1e9 - fault_s))
+
+
+def evaluate(paths: Sequence[Path], model: LinearModel | None,
+             alarms: Alarms | None = None) -> list[Episode]:
     out: list[Episode] = []
     methods = {"nsigma": baseline_method("nsigma"), "baro": baseline_method("baro")}
     for p in paths:
@@ -188,6 +213,10 @@ def evaluate(paths: Sequence[Path], model: LinearModel | None) -> list[Episode]:
         eps = episodes(rec, p.name)
         ours = replay(rec, engine(model, rec))
         rules = replay(rec, engine(None, rec))
+        if alarms is not None:
+            fa = false_alarms(rec, ours, eps)
+            alarms.count += fa.count
+            alarms.normal_s += fa.normal_s
         tables = {k: metric_table(rec, int(rec.labels[0]["server_pid"]), k)
                   for k in {ep.judge for ep in eps}} if rec.labels else {}
         for ep in eps:
@@ -303,8 +332,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"trained on {len(y)} verdicts ({dict(zip(*np.unique(y, return_counts=True)))})"
               f" -> {a.out}")
         return
-    eps = evaluate(_runs(a.runs, a.seeds), load(a.model))
+    alarms = Alarms()
+    eps = evaluate(_runs(a.runs, a.seeds), load(a.model), alarms)
     print(table(eps))
+    print(f"\nfalse alarms (ours): {alarms.count} verdicts in {alarms.normal_s / 60:.1f} min of "
+          f"normal traffic (outside the faults and {RECOVERY_S:g} s after each)")
 
 
 if __name__ == "__main__":

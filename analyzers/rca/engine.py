@@ -155,7 +155,8 @@ class RcaEngine:
         import pandas as pd  # noqa: PLC0415 - the type is imported for checking only, above
 
         assert isinstance(breach, Breach)
-        metric = breach.objective.removeprefix("degradation:").rsplit("_p", 1)[0]
+        metric = breach.objective.removeprefix("degradation:").removesuffix("_mean")
+        metric = metric.rsplit("_p", 1)[0]
         metric = _METRIC_OF.get(metric, "duration_ms")
         if metric != "duration_ms" and g[metric].isna().all():
             metric = "duration_ms"

@@ -3,7 +3,9 @@
 An objective is written `<metric>_p<NN> = target` (metric: duration_ms, ttft_ms, tbt_ms; NN the
 percentile) or `error_rate = fraction`, per service and optionally per route (config [[slo]]).
 Without objectives, a window is degraded when its p95 duration (or TTFT, time between chunks)
-rises well above the service's own recent windows, or its error rate jumps.
+rises well above the service's own recent windows, when the bulk of its requests does (mean and
+median: a fault that adds the same few ms to every request hides in a noisy tail), or when its
+error rate jumps.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ def _mean(df: pd.DataFrame, metric: str) -> float:
 def window_stats(df: pd.DataFrame) -> dict[str, float]:
     """The numbers a window contributes to its service's baseline."""
     out = {f"{m}_p95": observe(df, m, 95) for m in METRICS}
+    out.update({f"{m}_p50": observe(df, m, 50) for m in METRICS})
     out.update({f"{m}_mean": _mean(df, m) for m in METRICS})
     out["error_rate"] = observe(df, "error_rate", 0)
     return out
@@ -125,11 +128,13 @@ def degradation(df: pd.DataFrame, history: Sequence[Mapping[str, float]],
                 rule: DegradationRule) -> list[Breach]:
     """Breaches of the window against the median of the earlier windows' stats: a p95 above
     the rule's target whose mean also rose by half the ratio (the bulk moved, not one
-    request), or an error-rate jump."""
+    request); a mean above the rule's target (against the earlier means) whose median also
+    rose by half the ratio (a shift of every request, which a noisy p95 can hide: a slower
+    dependency doubled the mean TTFT while its p95 rose 1.4x); or an error-rate jump."""
     now = window_stats(df)
     out: list[Breach] = []
     for key, x in now.items():
-        if key.endswith("_mean"):
+        if key.endswith("_p50"):
             continue
         past = np.array([h[key] for h in history if not math.isnan(h.get(key, math.nan))])
         if math.isnan(x) or len(past) < 3:
@@ -145,12 +150,16 @@ def degradation(df: pd.DataFrame, history: Sequence[Mapping[str, float]],
         target = max(base * rule.ratio, base + rule.min_increase_ms, base + rule.mad_k * mad)
         if x > target and _bulk_moved(key, now, history, rule):
             out.append(Breach("degradation:" + key, x, target, base))
+    if len(out) > 1:  # a tail breach says more than the bulk's of the same metric
+        tails = {b.objective.removesuffix("_p95") for b in out if b.objective.endswith("_p95")}
+        out = [b for b in out if b.objective.removesuffix("_mean") not in tails]
     return out
 
 
 def _bulk_moved(key: str, now: Mapping[str, float], history: Sequence[Mapping[str, float]],
                 rule: DegradationRule) -> bool:
-    mkey = key.replace("_p95", "_mean")
+    """p95: its mean rose by half the ratio; mean: its median did."""
+    mkey = key.replace("_p95", "_mean") if key.endswith("_p95") else key.replace("_mean", "_p50")
     past = [h[mkey] for h in history if not math.isnan(h.get(mkey, math.nan))]
     if not past or math.isnan(now.get(mkey, math.nan)):
         return True
