@@ -120,6 +120,9 @@ class ControlConfig:
     cpu_fraction: float = 0.25  # a throttled culprit's CPU cap, in CPUs (at least 0.05)
     cpu_weight: int = 10  # its cgroup weight (100 is the default share)
     max_actions: int = 4  # throttles at once
+    # cpu_starvation: also reserve CPU for the served process's busiest threads (SCHED_DEADLINE,
+    # sized from their use; undone like a throttle)
+    cpu_reservation: bool = False
     clear_after_s: float = 10.0  # the cause is gone this long: the action is undone
     stream_priority: int = -1  # asked of the served process's compute stream (lower: higher)
     copy_budget_bytes_per_s: float = 0.0  # asked of a cooperating copier; 0: none

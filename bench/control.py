@@ -55,6 +55,7 @@ from sits_trace.analyzers.control.actuators import (  # noqa: E402
 )
 from sits_trace.analyzers.control.api import ControlServer  # noqa: E402
 from sits_trace.analyzers.control.board import DecisionBoard  # noqa: E402
+from sits_trace.analyzers.control.deadline import DeadlineReserver  # noqa: E402
 from sits_trace.analyzers.control.loop import ControlLoop  # noqa: E402
 from sits_trace.analyzers.control.verdicts import PushedVerdicts  # noqa: E402
 from sits_trace.analyzers.control.window import (  # noqa: E402
@@ -169,14 +170,14 @@ def controlled_replay(server: Server, ctl: WindowController, planned: list[wl.Pl
                       mode: str, slo_ms: float, interval_s: float,
                       actuator: CgroupCpuActuator | None = None,
                       each_tick: Callable[[ControlLoop, PushedVerdicts, float], None] | None = None,
-                      ) -> Run:
+                      reserver: DeadlineReserver | None = None) -> Run:
     board = DecisionBoard()
     opts = ControlConfig(mode=mode, service=SERVICE, slo_ms=slo_ms, interval_s=interval_s,
-                         clear_after_s=5.0)
+                         clear_after_s=5.0, cpu_reservation=reserver is not None)
     verdicts = PushedVerdicts()
     actions: list[dict[str, Any]] = []
-    loop = ControlLoop(opts, board, actuator=actuator, verdicts=verdicts, controller=ctl,
-                       on_action=[actions.append])
+    loop = ControlLoop(opts, board, actuator=actuator, reserver=reserver, verdicts=verdicts,
+                       controller=ctl, on_action=[actions.append])
     api = ControlServer(board, server.sock)
     api.start()
     if mode != "observe":
@@ -198,8 +199,8 @@ def controlled_replay(server: Server, ctl: WindowController, planned: list[wl.Pl
 
     def on_record(r: wl.Record) -> None:
         ms = feed_ms(r)
-        if ms is not None:
-            loop.observe_latency(SERVICE, ms)
+        if ms is not None:  # the served process, as a span would name it
+            loop.latency.add(SERVICE, ms, server.proc.pid)
 
     target = wl.Target(server.url, backend="httpx", timeout_s=60.0)
     try:
@@ -350,7 +351,11 @@ def cpu_experiment(a: argparse.Namespace) -> dict[str, Any]:
 
 def _cpu_run(server: Server, hier: Any, planned: list[wl.Planned], mode: str,
              a: argparse.Namespace, slo_s: float, start: Any) -> dict[str, Any]:
-    actuator = CgroupCpuActuator(hier, protected={server.proc.pid}, cpu_fraction=a.cpu_fraction)
+    """mode: act (throttle the culprit), act-reserve (reserve CPU for the server's threads
+    with SCHED_DEADLINE instead), observe, advise."""
+    reserver = DeadlineReserver() if mode == "act-reserve" else None
+    actuator = None if reserver is not None else \
+        CgroupCpuActuator(hier, protected={server.proc.pid}, cpu_fraction=a.cpu_fraction)
     state: dict[str, Any] = {"comp": None, "fault_at": None, "action_at": None,
                              "fault_end": None}
 
@@ -371,17 +376,21 @@ def _cpu_run(server: Server, hier: Any, planned: list[wl.Planned], mode: str,
                 "time_unix_nano": time.time_ns(), "service": SERVICE, "route": "",
                 "breach": True, "causes": [{"cause": "cpu_starvation", "score": 0.9,
                                             "culprit": {"pid": comp.pid, "name": comp.name}}]})
-        if state["action_at"] is None and actuator.active:
+        if state["action_at"] is None and (actuator.active if actuator else reserver.active):
             state["action_at"] = t
 
     ctl = VerdictWindow(a.slo_ttft_ms, a.start_window_ms, Bounds(a.ours_min_ms, 500.0))
     try:
-        run = controlled_replay(server, ctl, planned, mode, a.slo_ttft_ms, a.interval,
-                                actuator=actuator, each_tick=each_tick)
+        run = controlled_replay(server, ctl, planned, mode.removesuffix("-reserve"),
+                                a.slo_ttft_ms, a.interval, actuator=actuator,
+                                each_tick=each_tick, reserver=reserver)
     finally:
         if state["comp"] is not None:
             state["comp"].stop()
-        actuator.revert_all()
+        if actuator is not None:
+            actuator.revert_all()
+        if reserver is not None:
+            reserver.revert_all()
     return _cpu_result(mode, run, state, slo_s, a)
 
 
@@ -539,7 +548,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-at", type=float, help="load step at this replay second")
     p.add_argument("--step", type=float, default=2.0, help="arrivals this much faster after it")
     # cpu
-    p.add_argument("--modes", nargs="+", default=["act", "observe"])
+    p.add_argument("--modes", nargs="+", default=["act", "observe"],
+                   help="act (throttle the culprit), act-reserve (SCHED_DEADLINE for the "
+                        "server's threads), observe, advise")
     p.add_argument("--fault-at", type=float, default=15.0)
     p.add_argument("--fault-for", type=float, default=30.0)
     p.add_argument("--intensity", type=float, default=1.0, help="stress-ng workers per CPU")

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from sits_trace.agent.model import MetricSample, Span
 
-from .actuators import CgroupCpuActuator, find_cpu_hierarchy
+from .actuators import ActuatorError, CgroupCpuActuator, find_cpu_hierarchy
 from .api import ApiError, ControlServer
 from .board import DecisionBoard
 from .loop import ActionSink, ControlLoop, ControlOptions
@@ -32,6 +32,7 @@ class AgentControlOptions(ControlOptions, Protocol):
     cpu_weight: int
     max_actions: int
     state_path: str
+    cpu_reservation: bool
 
 
 class AgentControl:
@@ -67,7 +68,17 @@ class AgentControl:
                 actuator = CgroupCpuActuator(h, proc_root=proc_root,
                                              cpu_fraction=opts.cpu_fraction,
                                              weight=opts.cpu_weight, max_actions=opts.max_actions)
-        loop = ControlLoop(opts, board, actuator=actuator, verdicts=verdicts,
+        reserver = None
+        if opts.cpu_reservation and opts.mode in ("act", "advise"):
+            from .deadline import DeadlineReserver  # noqa: PLC0415
+
+            try:
+                state = Path(opts.state_path).with_name("control-reservations.json") \
+                    if opts.state_path and opts.mode == "act" else None
+                reserver = DeadlineReserver(state_path=state, proc_root=proc_root)
+            except ActuatorError as e:
+                log.warning("control: %s; CPU reservations off", e)
+        loop = ControlLoop(opts, board, actuator=actuator, reserver=reserver, verdicts=verdicts,
                            on_action=on_action)
         server = None
         if opts.socket_path:

@@ -3,7 +3,9 @@
   window   the controlled service's P95 of this interval, the batch sizes and queue depths it
            reported and the RCA's latest top cause go to the window controller.
   CPU      a verdict whose top cause is cpu_starvation, pcie_contention or
-           gpu_compute_contention with a culprit pid becomes a throttle of that pid.
+           gpu_compute_contention with a culprit pid becomes a throttle of that pid;
+           cpu_starvation also reserves CPU (SCHED_DEADLINE) for the served process's busiest
+           threads when `control.cpu_reservation` is on (deadline.py).
   GPU      pcie_contention / gpu_compute_contention also ask the served process to raise its
            compute stream's priority; pcie_contention asks a cooperating copier for a budget.
 
@@ -11,7 +13,8 @@ Modes: `observe` computes and logs and exports, publishes nothing, touches nothi
 `advise` publishes the decisions on the API (the server may follow them) and lists CPU
 actions as advised, touching nothing; `act` also applies the CPU actions. An action is
 undone when its cause clears (the culprit exited, or wanted under half of its cap, running or
-runnable, for `clear_after_s`), and all of them when the loop stops.
+runnable, for `clear_after_s`; a reservation: no verdict named cpu_starvation for
+`clear_after_s`), and all of them when the loop stops.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from sits_trace.agent.model import MetricSample, Span
 
 from .actuators import ActuatorError, CgroupCpuActuator, CpuAction
 from .board import DecisionBoard
+from .deadline import DeadlineReserver, Reservation
 from .verdicts import CPU_ACTIONABLE, Cause, Verdict, VerdictSource
 from .window import Bounds, IntervalStats, WindowController, make_controller
 
@@ -60,6 +64,14 @@ class _Advice:
     """A CPU action published but not applied (advise) or only logged (observe)."""
 
     action: CpuAction
+    last_named: float
+
+
+@dataclass
+class _Reserved:
+    """A reservation (applied in act, published in advise) and when a verdict last asked."""
+
+    reservation: Reservation
     last_named: float
 
 
@@ -105,6 +117,7 @@ def span_service(span: Span) -> str:
 class ControlLoop:
     def __init__(self, opts: ControlOptions, board: DecisionBoard, *,
                  actuator: CgroupCpuActuator | None = None,
+                 reserver: DeadlineReserver | None = None,
                  verdicts: VerdictSource = list,
                  controller: WindowController | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -115,6 +128,8 @@ class ControlLoop:
         self.opts = opts
         self.board = board
         self.actuator = actuator
+        self.reserver = reserver
+        self._reserved: dict[int, _Reserved] = {}  # served pid -> its reservation
         self.verdicts = verdicts
         bounds = Bounds(opts.window_min_ms, opts.window_max_ms)
         self.controller = controller or make_controller(opts.controller, opts.slo_ms,
@@ -201,6 +216,8 @@ class ControlLoop:
             return
         if top.cause in GPU_CAUSES:
             self._gpu_decisions(top, now)
+        if top.cause == "cpu_starvation" and self.reserver is not None:
+            self._reserve(top, v.service, now)
         pid = top.culprit.pid if top.culprit else None
         if top.cause not in CPU_ACTIONABLE or pid is None or self.actuator is None:
             return
@@ -230,6 +247,41 @@ class ControlLoop:
                      **detail)
         self._publish_cpu()
 
+    def _reserve(self, top: Cause, service: str, now: float) -> None:
+        """CPU for the starved service's own threads, whoever the culprit is."""
+        assert self.reserver is not None
+        culprit = top.culprit.pid if top.culprit else None
+        for pid in sorted(self.latency.pids(service) - {culprit})[:2]:
+            if pid in self._reserved:
+                self._reserved[pid].last_named = now
+                continue
+            try:
+                r = self.reserver.plan(top.cause, pid, service)
+                if self.opts.mode == "act":
+                    self.reserver.apply(r)
+            except ActuatorError as e:
+                self._record("cpu_reservation_refused", top.cause, applied=False, pid=pid,
+                             service=service, reason=str(e))
+                continue
+            self._reserved[pid] = _Reserved(r, now)
+            detail = {k: v for k, v in r.to_json().items()
+                      if k not in ("kind", "cause", "applied")}
+            self._record("cpu_reservation", top.cause, applied=r.applied, service=service,
+                         **detail)
+            self._publish_cpu()
+
+    def _unreserve(self, pid: int, reason: str) -> None:
+        res = self._reserved.pop(pid, None)
+        if res is None:
+            return
+        r = res.reservation
+        applied = r.applied
+        if applied and self.reserver is not None:
+            self.reserver.revert(pid)
+        self._record("cpu_reservation_restore", r.cause, applied=applied, pid=pid,
+                     name=r.name, reason=reason)
+        self._publish_cpu()
+
     def _gpu_decisions(self, top: Cause, now: float) -> None:
         first = now > self._gpu_until
         self._gpu_until = now + self.opts.clear_after_s
@@ -257,6 +309,12 @@ class ControlLoop:
         if self.actuator is not None:
             for action in list(self.actuator.active.values()):
                 self._check_active(action, now)
+        for pid, res in list(self._reserved.items()):
+            if self.reserver is not None and res.reservation.applied and \
+                    not self.reserver.alive(res.reservation):
+                self._unreserve(pid, "the served threads exited")
+            elif now - res.last_named > self.opts.clear_after_s:
+                self._unreserve(pid, "no verdict has named cpu_starvation for clear_after_s")
 
     def _check_active(self, action: CpuAction, now: float) -> None:
         assert self.actuator is not None
@@ -282,6 +340,7 @@ class ControlLoop:
             return
         acts = [a.to_json() for a in (self.actuator.active.values() if self.actuator else [])]
         acts += [a.action.to_json() for a in self._advice.values()]
+        acts += [r.reservation.to_json() for r in self._reserved.values()]
         self.board.publish(cpu_actions=acts)
 
     # -- records and metrics ---------------------------------------------------------------
@@ -310,6 +369,7 @@ class ControlLoop:
         active = len(self.actuator.active) if self.actuator else 0
         out.append(MetricSample("sits_control_cpu_actions_active", {}, float(active)))
         out.append(MetricSample("sits_control_cpu_actions_advised", {}, float(len(self._advice))))
+        out.append(MetricSample("sits_control_cpu_reservations", {}, float(len(self._reserved))))
         out.append(MetricSample("sits_control_decisions_version", {}, float(self.board.version)))
         for (kind, cause, applied), n in sorted(self.counts.items()):
             out.append(MetricSample("sits_control_actions_total",
@@ -323,6 +383,11 @@ class ControlLoop:
             n = self.actuator.revert_stale()
             if n:
                 self._record("cpu_restore", "", applied=True, reason=f"{n} left by a previous agent")
+        if self.reserver is not None and self.opts.mode == "act":
+            n = self.reserver.revert_stale()
+            if n:
+                self._record("cpu_reservation_restore", "", applied=True,
+                             reason=f"{n} threads left reserved by a previous agent")
         self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
         self._thread.start()
 
@@ -341,6 +406,8 @@ class ControlLoop:
         self.undo_all("the agent stopped")
 
     def undo_all(self, reason: str) -> None:
+        for pid in list(self._reserved):
+            self._unreserve(pid, reason)
         if self.actuator is None:
             return
         for action in self.actuator.revert_all():

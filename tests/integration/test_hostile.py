@@ -64,7 +64,10 @@ def test_churn_with_time_wait(nginx: Nginx) -> None:
 def test_huge_upload_then_request_on_the_same_connection(nginx: Nginx) -> None:
     r = run_scenario("upload", nginx, SCALE)
     check_common(r)
-    assert len(r.traced("upload-after")) == 1, r.line()
+    # the request after the upload is traced, unless the agent was shedding load then (one
+    # exchange in 2^shift captured, each skipped one counted: CI's machine, loaded by another
+    # job, shed 11 exchanges around this upload once, the request among them)
+    assert len(r.traced("upload-after")) == 1 or r.stats["exchanges_shed"] > 0, r.line()
     if r.stats["lost_in_kernel"]:
         assert r.stats["capture_lost"] >= 1, r.line()
     big = r.traced("upload-big")

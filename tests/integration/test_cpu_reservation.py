@@ -1,0 +1,113 @@
+"""SCHED_DEADLINE reservations (analyzers/control/deadline.py) against a real competitor: a
+served process whose handler thread wakes every 20 ms and works ~2 ms, starved by a
+`stress-ng --cpu 3` in its own session (autogroup: only then does it compete); the reservation
+of its busy thread brings the handler's latency back, and revert gives back what it had."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from sits_trace.analyzers.control.deadline import SCHED_DEADLINE, DeadlineReserver
+
+from .harness import have
+
+pytestmark = pytest.mark.bpf  # root: sched_setattr(SCHED_DEADLINE) needs CAP_SYS_NICE
+
+VICTIM = r"""
+import os, subprocess, sys, threading, time
+def handler():
+    nxt = time.perf_counter()
+    while True:
+        nxt += 0.02
+        time.sleep(max(0.0, nxt - time.perf_counter()))
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        while time.thread_time() - c0 < 0.002:  # 2 ms of CPU: the request's work
+            pass
+        # the request's latency: how late it started plus how long its work took
+        print(f"{time.time():.4f} {(t0 - nxt + time.perf_counter() - t0) * 1e3:.3f}", flush=True)
+        if os.path.exists(sys.argv[1]):  # asked to fork while reserved (RESET_ON_FORK)
+            os.unlink(sys.argv[1])
+            print("fork", subprocess.run(["true"]).returncode, flush=True)
+threading.Thread(target=handler, daemon=True).start()
+time.sleep(3600)
+"""
+
+
+class _Victim:
+    def __init__(self, flag: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", VICTIM, flag],
+                                     stdout=subprocess.PIPE, text=True)
+        self.rows: list[tuple[float, float]] = []
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            parts = line.split()
+            if len(parts) == 2 and parts[0] != "fork":
+                self.rows.append((float(parts[0]), float(parts[1])))
+
+    def p95(self, t0: float, t1: float) -> float:
+        v = [ms for t, ms in self.rows if t0 <= t < t1]
+        assert len(v) > 20, (t0, t1, len(v))
+        return float(np.percentile(v, 95))
+
+
+def _policies(pid: int) -> dict[int, int]:
+    out = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(t)] = os.sched_getscheduler(int(t)) & ~os.SCHED_RESET_ON_FORK
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.skipif(not have("stress-ng"), reason="needs stress-ng")
+def test_reservation_gives_a_starved_handler_its_latency_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "fork-now"
+    v = _Victim(str(flag))
+    res = DeadlineReserver(state_path=tmp_path / "state.json")
+    stress = None
+    try:
+        time.sleep(3.0)
+        t_base = time.time()
+        time.sleep(3.0)
+        t_fault = time.time()
+        stress = subprocess.Popen(["stress-ng", "--cpu", "3", "--timeout", "60"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(4.0)
+        t_plan = time.time()
+        r = res.plan("cpu_starvation", v.proc.pid, "victim")
+        assert len(r.runtime_ns) == 1, r.to_json()  # the handler; the idle main thread is not
+        res.apply(r)
+        t_res = time.time()
+        assert _policies(v.proc.pid)[next(iter(r.runtime_ns))] == SCHED_DEADLINE
+        flag.write_text("")  # a reserved thread forks: allowed (children start normal)
+        time.sleep(4.0)
+        t_end = time.time()
+        res.revert(v.proc.pid)
+        assert set(_policies(v.proc.pid).values()) == {os.SCHED_OTHER}
+        assert not (tmp_path / "state.json").exists() or \
+            (tmp_path / "state.json").read_text() == "[]"
+    finally:
+        if stress is not None:
+            stress.kill()
+        res.revert_all()
+        v.proc.kill()
+    base, starved = v.p95(t_base, t_fault), v.p95(t_fault + 1, t_plan)
+    reserved = v.p95(t_res + 0.5, t_end)
+    print(f"p95 ms: baseline {base:.2f}, starved {starved:.2f}, reserved {reserved:.2f}")
+    assert starved > 2 * base, (base, starved)  # the competitor bit
+    assert reserved < starved / 2, (base, starved, reserved)
+    assert reserved < 1.5 * base + 1.0, (base, starved, reserved)
+    assert any(line.startswith("fork 0") for line in v.lines), v.lines[-5:]
