@@ -3,7 +3,7 @@
 For cpu_starvation, throttling the culprit (actuators.py) takes CPU from it; a reservation
 gives CPU to the victim instead, whoever competes: each of the served process's busiest
 threads gets `runtime` every `period` before any normal task runs, sized from what the thread
-used just before (headroom x its demand). Flags: SCHED_FLAG_RECLAIM (a thread may run past its
+wanted just before (headroom x its time running and waiting to run). Flags: SCHED_FLAG_RECLAIM (a thread may run past its
 runtime while the CPU has DEADLINE bandwidth to spare: a floor, not a ceiling; measured here: a
 2 ms / 10 ms spinning thread got 0.94 of a CPU alone with it, 0.21 without) and
 SCHED_FLAG_RESET_ON_FORK (a DEADLINE thread may not fork otherwise; children start normal).
@@ -138,6 +138,7 @@ class DeadlineReserver:
         self.sched = sched or Sched()
         self._sleep = sleep
         self.active: dict[int, Reservation] = {}
+        self._demand: dict[int, tuple[int, float]] = {}  # culprit -> (run + wait ns, at)
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -149,14 +150,16 @@ class DeadlineReserver:
             return out
         for t in tids:
             try:
-                out[int(t)] = int((self.proc / str(pid) / "task" / t / "schedstat")
-                                  .read_text().split()[0])
+                f = (self.proc / str(pid) / "task" / t / "schedstat").read_text().split()
+                out[int(t)] = int(f[0]) + int(f[1])
             except (OSError, ValueError, IndexError):
                 continue
         return out
 
     def demand(self, pid: int) -> dict[int, float]:
-        """CPUs each thread of `pid` used over `sample_s` (schedstat run time)."""
+        """CPUs each thread of `pid` wanted over `sample_s`: time on a CPU plus time waiting
+        for one (schedstat), so a starved thread is sized by what it needs, not by the
+        little it got."""
         a = self._run_ns(pid)
         t0 = time.monotonic()
         self._sleep(self.sample_s)
@@ -214,6 +217,52 @@ class DeadlineReserver:
 
     def revert_all(self) -> list[Reservation]:
         return [r for pid in list(self.active) if (r := self.revert(pid)) is not None]
+
+    def culprit_demand(self, pid: int) -> float | None:
+        """CPUs the culprit and its descendants wanted since the last call (time on a CPU plus
+        time waiting for one, every thread's schedstat): a competitor held back by the
+        reservation still shows its demand, so the reservation is not undone because it
+        worked. None on the first call or once the culprit is gone."""
+        if not (self.proc / str(pid)).exists():
+            self._demand.pop(pid, None)
+            return None
+        ns = sum(self._tree_ns(p) for p in [pid, *self._descendants(pid)])
+        now = time.monotonic()
+        prev = self._demand.get(pid)
+        self._demand[pid] = (ns, now)
+        if prev is None or now <= prev[1]:
+            return None
+        return max(0, ns - prev[0]) / 1e9 / (now - prev[1])
+
+    def _tree_ns(self, pid: int) -> int:
+        total = 0
+        try:
+            tids = os.listdir(self.proc / str(pid) / "task")
+        except OSError:
+            return 0
+        for t in tids:
+            try:
+                f = (self.proc / str(pid) / "task" / t / "schedstat").read_text().split()
+                total += int(f[0]) + int(f[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        return total
+
+    def _descendants(self, pid: int) -> list[int]:
+        parent: dict[int, int] = {}
+        for d in self.proc.iterdir():
+            if d.name.isdigit():
+                try:
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        out: list[int] = []
+        frontier = {pid}
+        while frontier:
+            kids = {c for c, p in parent.items() if p in frontier and c not in out}
+            out.extend(sorted(kids))
+            frontier = kids
+        return out
 
     def alive(self, r: Reservation) -> bool:
         return any((self.proc / str(r.pid) / "task" / str(t)).exists() for t in r.runtime_ns)

@@ -73,6 +73,8 @@ class _Reserved:
 
     reservation: Reservation
     last_named: float
+    culprit: int | None = None  # the competitor named with it: kept while it competes
+    low_since: float | None = None
 
 
 @dataclass
@@ -263,7 +265,7 @@ class ControlLoop:
                 self._record("cpu_reservation_refused", top.cause, applied=False, pid=pid,
                              service=service, reason=str(e))
                 continue
-            self._reserved[pid] = _Reserved(r, now)
+            self._reserved[pid] = _Reserved(r, now, culprit)
             detail = {k: v for k, v in r.to_json().items()
                       if k not in ("kind", "cause", "applied")}
             self._record("cpu_reservation", top.cause, applied=r.applied, service=service,
@@ -310,11 +312,31 @@ class ControlLoop:
             for action in list(self.actuator.active.values()):
                 self._check_active(action, now)
         for pid, res in list(self._reserved.items()):
-            if self.reserver is not None and res.reservation.applied and \
-                    not self.reserver.alive(res.reservation):
-                self._unreserve(pid, "the served threads exited")
-            elif now - res.last_named > self.opts.clear_after_s:
-                self._unreserve(pid, "no verdict has named cpu_starvation for clear_after_s")
+            reason = self._reservation_cleared(res, now)
+            if reason is not None:
+                self._unreserve(pid, reason)
+
+    def _reservation_cleared(self, res: _Reserved, now: float) -> str | None:
+        """Why a reservation should go, or None. With a culprit: when it exits or wants under
+        0.1 CPU for clear_after_s (a reservation that works ends the verdicts, not the
+        competition: undoing it then would flap); without one: no verdict for clear_after_s."""
+        assert self.reserver is not None
+        if res.reservation.applied and not self.reserver.alive(res.reservation):
+            return "the served threads exited"
+        if res.culprit is None:
+            if now - res.last_named > self.opts.clear_after_s:
+                return "no verdict has named cpu_starvation for clear_after_s"
+            return None
+        wanted = self.reserver.culprit_demand(res.culprit)
+        if wanted is None and not self.reserver.proc.joinpath(str(res.culprit)).exists():
+            return "the culprit exited"
+        if wanted is not None and wanted < 0.1:
+            res.low_since = res.low_since or now
+            if now - res.low_since >= self.opts.clear_after_s:
+                return f"the culprit wanted {wanted:.2f} CPU for clear_after_s"
+        elif wanted is not None:
+            res.low_since = None
+        return None
 
     def _check_active(self, action: CpuAction, now: float) -> None:
         assert self.actuator is not None

@@ -4,6 +4,7 @@ threads, how much, all or nothing, undo, crash safety, and the loop that asks fo
 from __future__ import annotations
 
 import errno
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -146,29 +147,71 @@ def _loop(tmp: Path, mode: str, sched: FakeSched) -> tuple[ControlLoop, PushedVe
     return loop, pushed, t
 
 
-def _starved(pid: int = 42) -> dict[str, Any]:
+def _starved(pid: int | None = 42) -> dict[str, Any]:
+    culprit = {"pid": pid, "name": "stress-ng"} if pid is not None else None
     return {"time_unix_nano": 1, "service": "llm", "breach": True,
-            "causes": [{"cause": "cpu_starvation", "score": 0.9,
-                        "culprit": {"pid": pid, "name": "stress-ng"}}]}
+            "causes": [{"cause": "cpu_starvation", "score": 0.9, "culprit": culprit}]}
 
 
-def test_act_reserves_for_the_served_process_and_undoes_when_the_cause_clears(
+def _culprit(tmp: Path, run_ns: int) -> None:
+    """Process 42 (stress-ng) of the fake /proc, its schedstat at run_ns."""
+    d = tmp / "proc" / "42"
+    (d / "task" / "42").mkdir(parents=True, exist_ok=True)
+    (d / "stat").write_text("42 (stress-ng) R 1 42 42 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 1 1 1\n")
+    (d / "task" / "42" / "schedstat").write_text(f"{run_ns} 0 1\n")
+
+
+def test_act_reserves_while_the_culprit_competes_and_undoes_when_it_stops(
         tmp_path: Path) -> None:
+    """Kept while the culprit wants CPU, though the verdicts stop (the reservation worked);
+    undone once it has wanted none for clear_after_s."""
     sched = FakeSched([8])
     loop, pushed, t = _loop(tmp_path, "act", sched)
+    _culprit(tmp_path, 0)
     pushed.push(_starved())
     loop.tick()
     assert sched.policy[8].policy == SCHED_DEADLINE
     acts = loop.board.snapshot()[0]["cpu_actions"]
     assert [a["kind"] for a in acts] == ["cpu_reservation"] and acts[0]["applied"] is True
+    for i in range(1, 4):  # no verdicts (the SLO holds again), the culprit still spins
+        t[0] += 3
+        _culprit(tmp_path, i * 10**9)
+        loop.tick()
+        assert sched.policy[8].policy == SCHED_DEADLINE, i
+    t[0] += 1
+    loop.tick()  # it stopped: quiet from here
+    t[0] += 6
+    loop.tick()
+    assert sched.policy[8] == NORMAL and loop.board.snapshot()[0]["cpu_actions"] == []
+    assert ("cpu_reservation_restore", "cpu_starvation", "true") in loop.counts
+
+
+def test_a_reservation_ends_when_its_culprit_exits(tmp_path: Path) -> None:
+    sched = FakeSched([8])
+    loop, pushed, t = _loop(tmp_path, "act", sched)
+    _culprit(tmp_path, 0)
+    pushed.push(_starved())
+    loop.tick()
+    assert sched.policy[8].policy == SCHED_DEADLINE
+    shutil.rmtree(tmp_path / "proc" / "42")
+    t[0] += 1
+    loop.tick()
+    assert sched.policy[8] == NORMAL
+
+
+def test_without_a_culprit_the_verdicts_decide(tmp_path: Path) -> None:
+    sched = FakeSched([8])
+    loop, pushed, t = _loop(tmp_path, "act", sched)
+    pushed.push(_starved(None))
+    loop.tick()
+    assert sched.policy[8].policy == SCHED_DEADLINE
     t[0] += 3
-    pushed.push(_starved())  # still starved: kept
+    pushed.push(_starved(None))
     loop.tick()
     assert sched.policy[8].policy == SCHED_DEADLINE
     t[0] += 6
     loop.tick()  # no verdict for clear_after_s
-    assert sched.policy[8] == NORMAL and loop.board.snapshot()[0]["cpu_actions"] == []
-    assert ("cpu_reservation_restore", "cpu_starvation", "true") in loop.counts
+    assert sched.policy[8] == NORMAL
 
 
 @pytest.mark.parametrize("mode", ["observe", "advise"])
