@@ -23,7 +23,8 @@ class Meter:
 
 def shedder(m: Meter, budget: float, shifts: list[int]) -> LoadShedder:
     return LoadShedder(shifts.append, cpu_budget=budget, lost=lambda: m.lost,
-                       ring=lambda: (m.read, 0), cpu_time=lambda: m.cpu, now=lambda: m.t)
+                       ring=lambda: (m.read, 0), cpu_time=lambda: m.cpu, now=lambda: m.t,
+                       grace=0)
 
 
 def test_cpu_without_records_is_not_shed() -> None:
@@ -120,7 +121,7 @@ def test_a_saturated_reader_scales_its_cpu_by_the_backlog() -> None:
     m, shifts = Meter(), []
     ring = {"read": 0, "waiting": 0}
     s = LoadShedder(shifts.append, cpu_budget=0.1, cpu_time=lambda: m.cpu, now=lambda: m.t,
-                    ring=lambda: (ring["read"], ring["waiting"]))
+                    ring=lambda: (ring["read"], ring["waiting"]), grace=0)
     m.run(1.0, 1.0)
     ring["read"], ring["waiting"] = 1_000_000, 3_000_000
     s.tick()
@@ -149,7 +150,7 @@ class Exchanges:
 def counted(m: Meter, ex: Exchanges, budget: float, shifts: list[int]) -> LoadShedder:
     return LoadShedder(shifts.append, cpu_budget=budget, lost=lambda: m.lost,
                        ring=lambda: (m.read, 0), exchanges=lambda: ex.n,
-                       cpu_time=lambda: m.cpu, now=lambda: m.t)
+                       cpu_time=lambda: m.cpu, now=lambda: m.t, grace=0)
 
 
 def test_after_an_attack_the_shift_falls_although_the_idle_agent_costs_over_40pct() -> None:
@@ -199,3 +200,26 @@ def test_the_fixed_cost_learnt_falls_fast_rises_slowly_and_is_capped() -> None:
     m.run(1.0, 0.04, read_per_s=0)
     s.tick()
     assert abs(s.state.base_cores - 0.019) < 1e-9
+
+
+def test_start_up_cpu_does_not_raise_the_shift_but_losses_do() -> None:
+    """The first two intervals carry the agent's start-up work: under traffic that never
+    pauses, a shift raised then could not come down (200 SSE streams shed 901 of 2000)."""
+    m, shifts = Meter(), []
+    s = LoadShedder(shifts.append, cpu_budget=0.1, lost=lambda: m.lost,
+                    ring=lambda: (m.read, 0), cpu_time=lambda: m.cpu, now=lambda: m.t)
+    m.run(1.0, 0.3)  # 3x the budget, busy: start-up and traffic
+    s.tick()
+    m.run(1.0, 0.3)
+    s.tick()
+    assert shifts == [] and s.state.shift == 0
+    m.run(1.0, 0.3)  # past the grace: a real overload is shed as before
+    s.tick()
+    assert s.state.shift == 2
+    m2, shifts2 = Meter(), []
+    s2 = LoadShedder(shifts2.append, cpu_budget=0.1, lost=lambda: m2.lost,
+                     ring=lambda: (m2.read, 0), cpu_time=lambda: m2.cpu, now=lambda: m2.t)
+    m2.run(1.0, 0.05)
+    m2.lost = 10  # the ring overflowed at once: no grace for that
+    s2.tick()
+    assert s2.state.shift >= 1

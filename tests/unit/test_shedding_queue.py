@@ -14,7 +14,8 @@ class Rig:
         self.waiting = 0
         self.shifts: list[int] = []
         self.s = LoadShedder(self.shifts.append, cpu_budget=budget, cpu_time=lambda: self.cpu,
-                             now=lambda: self.t, ring=lambda: (self.read, self.waiting))
+                             now=lambda: self.t, ring=lambda: (self.read, self.waiting),
+                             grace=0)
 
     def step(self, dt: float, cores: float, read: int, waiting: int) -> None:
         self.t += dt
