@@ -188,12 +188,14 @@ class DeadlineReserver:
     # -- acting --------------------------------------------------------------------------------
 
     def apply(self, r: Reservation) -> Reservation:
-        """All threads or none: a refusal (admission control, a thread gone) undoes the rest."""
+        """All threads or none: a refusal (a thread gone, no permission) undoes the rest. The
+        kernel's admission control (EBUSY: other deadline tasks hold the bandwidth) is met by
+        halving a thread's runtime down to 5% of the period; what was admitted is recorded."""
         done: list[int] = []
         try:
-            for tid, run in r.runtime_ns.items():
+            for tid, run in list(r.runtime_ns.items()):
                 r.previous[tid] = self.sched.get(tid)
-                self.sched.reserve(tid, run, r.period_ns)
+                r.runtime_ns[tid] = self._reserve_admitted(tid, run, r.period_ns)
                 done.append(tid)
         except OSError as e:
             for tid in done:
@@ -205,6 +207,16 @@ class DeadlineReserver:
         self.active[r.pid] = r
         self._save()
         return r
+
+    def _reserve_admitted(self, tid: int, run: int, period: int) -> int:
+        while True:
+            try:
+                self.sched.reserve(tid, run, period)
+                return run
+            except OSError as e:
+                if e.errno != errno.EBUSY or run // 2 < int(0.05 * period):
+                    raise
+                run //= 2
 
     def revert(self, pid: int) -> Reservation | None:
         r = self.active.pop(pid, None)

@@ -106,8 +106,9 @@ def test_reservation_gives_a_starved_handler_its_latency_back(tmp_path) -> None:
         v.proc.kill()
     base, starved = v.p95(t_base, t_fault), v.p95(t_fault + 1, t_plan)
     reserved = v.p95(t_res + 0.5, t_end)
-    print(f"p95 ms: baseline {base:.2f}, starved {starved:.2f}, reserved {reserved:.2f}")
+    got = r.to_json()  # what the kernel's admission control let it have (it may halve)
+    print(f"p95 ms: baseline {base:.2f}, starved {starved:.2f}, reserved {reserved:.2f}; {got}")
     assert starved > 2 * base, (base, starved)  # the competitor bit
-    assert reserved < starved / 2, (base, starved, reserved)
-    assert reserved < 1.5 * base + 1.0, (base, starved, reserved)
+    assert reserved < starved / 2, (base, starved, reserved, got)
+    assert reserved < 1.5 * base + 1.0, (base, starved, reserved, got)
     assert any(line.startswith("fork 0") for line in v.lines), v.lines[-5:]

@@ -27,12 +27,15 @@ NORMAL = Policy(0, 0, 5, 0)  # SCHED_OTHER, nice 5
 
 
 class FakeSched:
-    """Threads' policies in a dict; `refuse` makes sched_setattr fail for those tids."""
+    """Threads' policies in a dict; `refuse` makes sched_setattr fail for those tids;
+    `admit_ns`: EBUSY above this runtime (the kernel's admission control)."""
 
-    def __init__(self, tids: list[int], refuse: dict[int, int] | None = None) -> None:
+    def __init__(self, tids: list[int], refuse: dict[int, int] | None = None,
+                 admit_ns: int | None = None) -> None:
         self.policy = dict.fromkeys(tids, NORMAL)
         self.runtime: dict[int, int] = {}
         self.refuse = refuse or {}
+        self.admit_ns = admit_ns
 
     def get(self, tid: int) -> Policy:
         if tid not in self.policy:
@@ -42,6 +45,8 @@ class FakeSched:
     def reserve(self, tid: int, runtime_ns: int, period_ns: int) -> None:
         if tid in self.refuse:
             raise OSError(self.refuse[tid], "refused")
+        if self.admit_ns is not None and runtime_ns > self.admit_ns:
+            raise OSError(errno.EBUSY, "admission control")
         self.policy[tid] = Policy(SCHED_DEADLINE, 3, 0, 0)
         self.runtime[tid] = runtime_ns
 
@@ -116,6 +121,22 @@ def test_apply_is_all_or_nothing_and_revert_restores(tmp_path: Path) -> None:
     assert '"pid": 7' in (tmp_path / "res.json").read_text()
     res.revert(PID)
     assert sched.policy == {8: NORMAL, 9: NORMAL}  # nice 5 and all, as they were
+
+
+def test_admission_control_gets_what_it_admits_down_to_a_floor(tmp_path: Path) -> None:
+    """EBUSY (other deadline tasks hold the bandwidth; seen in a clean-clone CI run for
+    0.5 CPU): the runtime halves until admitted, down to 5% of the period, and the
+    reservation says what it got."""
+    sched = FakeSched([8], admit_ns=1_500_000)
+    res = reserver(tmp_path, {8: 0.3}, sched)
+    r = res.apply(res.plan("cpu_starvation", PID))
+    assert r.runtime_ns[8] == 1_250_000 and sched.runtime[8] == 1_250_000  # 5 -> 2.5 -> 1.25 ms
+    assert r.to_json()["reserved_cpus"] == 0.125
+    res.revert(PID)
+    sched.admit_ns = 100_000  # under the floor: refused, nothing applied
+    with pytest.raises(ActuatorError, match="admission control"):
+        res.apply(res.plan("cpu_starvation", PID))
+    assert sched.policy[8] == NORMAL
 
 
 def test_a_policy_changed_by_someone_else_is_left_alone(tmp_path: Path) -> None:
