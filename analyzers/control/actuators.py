@@ -273,18 +273,7 @@ class CgroupCpuActuator:
                 continue
 
     def _descendants(self, pid: int) -> list[int]:
-        parent: dict[int, int] = {}
-        for d in self.proc.iterdir():
-            if d.name.isdigit():
-                stat = _read(d / "stat")
-                if stat:
-                    parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        out, frontier = [], {pid}
-        while frontier:
-            kids = {c for c, p in parent.items() if p in frontier and c not in out}
-            out.extend(sorted(kids))
-            frontier = kids
-        return out
+        return descendants(self.proc, pid)
 
     def _save(self) -> None:
         if self.state_path is None:
@@ -301,6 +290,22 @@ class CgroupCpuActuator:
             tmp.replace(self.state_path)
         except OSError:
             pass  # the state file helps a crashed agent's successor; never fatal
+
+
+def descendants(proc_root: Path, pid: int) -> list[int]:
+    """Every process below `pid` (by the parent pid in /proc/<pid>/stat), nearest first."""
+    parent: dict[int, int] = {}
+    for d in proc_root.iterdir():
+        if d.name.isdigit():
+            stat = _read(d / "stat")
+            if stat:
+                parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], {pid}
+    while frontier:
+        kids = {c for c, p in parent.items() if p in frontier and c not in out}
+        out.extend(sorted(kids))
+        frontier = kids
+    return out
 
 
 def _is_kernel_thread(stat: str) -> bool:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .actuators import ActuatorError
+from .actuators import ActuatorError, descendants
 
 SCHED_DEADLINE = 6
 SCHED_FLAG_RESET_ON_FORK = 0x01
@@ -143,6 +143,7 @@ class DeadlineReserver:
     # -- planning ----------------------------------------------------------------------------
 
     def _run_ns(self, pid: int) -> dict[int, int]:
+        """tid -> ns on a CPU plus ns waiting for one (schedstat), every thread of `pid`."""
         out: dict[int, int] = {}
         try:
             tids = os.listdir(self.proc / str(pid) / "task")
@@ -238,43 +239,13 @@ class DeadlineReserver:
         if not (self.proc / str(pid)).exists():
             self._demand.pop(pid, None)
             return None
-        ns = sum(self._tree_ns(p) for p in [pid, *self._descendants(pid)])
+        ns = sum(sum(self._run_ns(p).values()) for p in [pid, *descendants(self.proc, pid)])
         now = time.monotonic()
         prev = self._demand.get(pid)
         self._demand[pid] = (ns, now)
         if prev is None or now <= prev[1]:
             return None
         return max(0, ns - prev[0]) / 1e9 / (now - prev[1])
-
-    def _tree_ns(self, pid: int) -> int:
-        total = 0
-        try:
-            tids = os.listdir(self.proc / str(pid) / "task")
-        except OSError:
-            return 0
-        for t in tids:
-            try:
-                f = (self.proc / str(pid) / "task" / t / "schedstat").read_text().split()
-                total += int(f[0]) + int(f[1])
-            except (OSError, ValueError, IndexError):
-                continue
-        return total
-
-    def _descendants(self, pid: int) -> list[int]:
-        parent: dict[int, int] = {}
-        for d in self.proc.iterdir():
-            if d.name.isdigit():
-                try:
-                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-        out: list[int] = []
-        frontier = {pid}
-        while frontier:
-            kids = {c for c, p in parent.items() if p in frontier and c not in out}
-            out.extend(sorted(kids))
-            frontier = kids
-        return out
 
     def alive(self, r: Reservation) -> bool:
         return any((self.proc / str(r.pid) / "task" / str(t)).exists() for t in r.runtime_ns)
