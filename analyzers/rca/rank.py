@@ -246,13 +246,11 @@ def starved_dependency(d: Decomposition, ctx: Context) -> None:
     if dep_ms <= 0 or ctx.peer_pids is None or pw is None or not len(ctx.win) or ctx.win_s <= 0:
         return
     cul = _dep_culprit(ctx)
-    if cul is None:
+    rising = [r for r in competitors(ctx) if r[3] - r[2] >= MIN_COMPETITOR_CORES]
+    if cul is None or not rising:  # before the /proc scan of peer_pids: nothing to move
         return
     pids = ctx.peer_pids(str(cul["peer"])) - ctx.victim_pids
-    if not pids:
-        return
-    others = [r for r in competitors(ctx) if r[0] not in pids and r[3] - r[2] >= MIN_COMPETITOR_CORES]
-    if not others:
+    if not pids or not [r for r in rising if r[0] not in pids]:
         return
     w = sum(pw.runq_per_s.get(p, 0.0) for p in pids)
     b = sum(pb.runq_per_s.get(p, 0.0) for p in pids) if pb is not None else 0.0
