@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     import pandas as pd
     from sits_trace.agent.model import Span
 
+WATCH_PEERS = 8  # callees per window looked up on this node (the busiest)
+WATCH_REFRESH_NS = 30 * 10**9  # a callee's processes are looked up again after this
 _METRIC_OF = {"duration_ms": "duration_ms", "ttft_ms": "ttft_ms", "tbt_ms": "tbt_ms"}
 
 
@@ -68,6 +70,7 @@ class RcaEngine:
         self._clock = clock_ns
         self._exclude = exclude_pids
         self._peer_pids = peer_pids  # a callee's processes on this node (live only)
+        self._callees: dict[str, tuple[int, set[int]]] = {}  # peer -> (looked up at, pids)
         self._rows: list[Row] = []
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, str | None, int], _Group] = {}
@@ -85,6 +88,21 @@ class RcaEngine:
 
     def add_procs(self, snap: ProcSnapshot) -> None:
         self._procs.append(snap)
+
+    def watched_pids(self) -> set[int]:
+        """The local dependencies' processes (live only): the /proc sampler reads their whole
+        run-queue wait, so a verdict can tell a starved callee from a slow one."""
+        return set().union(*(p for _, p in self._callees.values())) if self._callees else set()
+
+    def _look_up_callees(self, peers: pd.Series, now: int) -> None:
+        if self._peer_pids is None or not len(peers):
+            return
+        for peer in peers.value_counts().index[:WATCH_PEERS]:
+            seen = self._callees.get(str(peer))
+            if seen is None or now - seen[0] > WATCH_REFRESH_NS:
+                self._callees[str(peer)] = (now, self._peer_pids(str(peer)))
+        for old in [k for k, (t, _) in self._callees.items() if now - t > 4 * WATCH_REFRESH_NS]:
+            del self._callees[old]
 
     # ---- windows ----
 
@@ -118,6 +136,7 @@ class RcaEngine:
         if not len(df):
             return out
         client = df["client"].to_numpy() > 0
+        self._look_up_callees(df.loc[client, "server"], now)
         server_pids = set(df.loc[~client, "pid"].astype(int))
         req_all = df[~client | ~df["pid"].isin(server_pids).to_numpy()]
         for (svc, kind), g in req_all.groupby(["service", "client"], sort=False):

@@ -22,7 +22,7 @@ class LiveRca:
                  clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.engine = engine
         self.sinks = list(sinks)
-        self.sampler = sampler or ProcSampler()
+        self.sampler = sampler or ProcSampler(watch=engine.watched_pids)
         self._on_procs = on_procs
         self._every = every_s
         self._procs_every_ns = int(procs_every_s * 1e9)

@@ -5,13 +5,19 @@ One snapshot reads /proc/<pid>/stat and /proc/<pid>/schedstat (the main thread's
 for a CPU) of every process (a few ms for a few hundred processes) and the node's pressure-stall
 totals (/proc/pressure/{cpu,memory}). The analysis compares two
 snapshots at a window's edges with those at the baseline's edges.
+
+A few watched processes (the engine's local dependencies) also get their whole run-queue wait,
+every thread's including those that exited, from the kernel's taskstats (TGID query over generic
+netlink, pyroute2; root). /proc only has it per thread: a thread-per-request server's waits live
+in threads that are gone by the next snapshot (a CI run blamed a starved local dependency because
+its main thread, parked in accept(), showed a fifth of the wait).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,17 +38,22 @@ class ProcSnapshot:
     t_ns: int
     procs: dict[int, ProcStat] = field(default_factory=dict)
     psi: dict[str, float] = field(default_factory=dict)  # "cpu_some", "memory_some", ...
+    task_wait: dict[int, float] = field(default_factory=dict)  # watched: s, every thread
 
     def to_json(self) -> dict[str, Any]:
-        return {"t": self.t_ns, "psi": self.psi,
-                "procs": [[p, *v] for p, v in self.procs.items()]}
+        out: dict[str, Any] = {"t": self.t_ns, "psi": self.psi,
+                               "procs": [[p, *v] for p, v in self.procs.items()]}
+        if self.task_wait:
+            out["task_wait"] = [[p, v] for p, v in self.task_wait.items()]
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ProcSnapshot:
         procs = {int(r[0]): (str(r[1]), float(r[2]), float(r[3]), float(r[4]), float(r[5]),
                              int(r[6]) if len(r) > 6 else 0, float(r[7]) if len(r) > 7 else 0.0)
                  for r in d.get("procs", ())}
-        return cls(int(d["t"]), procs, {k: float(v) for k, v in d.get("psi", {}).items()})
+        return cls(int(d["t"]), procs, {k: float(v) for k, v in d.get("psi", {}).items()},
+                   {int(p): float(v) for p, v in d.get("task_wait", ())})
 
 
 def parse_stat(text: str) -> ProcStat | None:
@@ -79,14 +90,79 @@ def parse_psi(text: str) -> float | None:
     return None
 
 
+class TaskWaits:
+    """Seconds a whole process (every thread, live or exited) waited for a CPU: taskstats'
+    cpu_delay_total for a TGID. Needs CAP_NET_ADMIN; off after the first failure (None)."""
+
+    def __init__(self) -> None:
+        self._sock: Any = None
+        self.failed: str | None = None
+
+    def _open(self) -> Any:
+        from pyroute2.netlink import NLM_F_REQUEST  # noqa: PLC0415 - only when watching
+        from pyroute2.netlink.taskstats import TASKSTATS_CMD_GET, AsyncTaskStats, TaskStats, tcmd  # noqa: PLC0415
+
+        class _AsyncTgid(AsyncTaskStats):  # type: ignore[misc]
+            async def get_tgid_stat(self, pid: int) -> Any:
+                msg = tcmd()
+                msg["cmd"] = TASKSTATS_CMD_GET
+                msg["version"] = 1
+                msg["attrs"].append(["TASKSTATS_CMD_ATTR_TGID", pid])
+                return await self.nlm_request(msg, self.prid, msg_flags=NLM_F_REQUEST)
+
+        class _Tgid(TaskStats):  # type: ignore[misc]
+            async_class = _AsyncTgid
+
+            def get_tgid_stat(self, pid: int) -> Any:
+                return self._run_sync_cleanup(self.asyncore.get_tgid_stat, pid)
+
+        sock = _Tgid()
+        sock.bind()
+        return sock
+
+    def wait_s(self, pid: int) -> float | None:
+        if self.failed is not None:
+            return None
+        try:
+            if self._sock is None:
+                self._sock = self._open()
+            msg = self._sock.get_tgid_stat(pid)[0]
+            stats = msg.get_attr("TASKSTATS_TYPE_AGGR_TGID").get_attr("TASKSTATS_TYPE_STATS")
+            return int(stats["cpu_delay_total"]) / 1e9
+        except Exception as exc:  # noqa: BLE001 - gone process, no netlink, no permission
+            if "No such process" in str(exc) or getattr(exc, "code", None) == 3:
+                return None  # ESRCH: the process exited; the reader stays on
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._sock = None
+
+
 class ProcSampler:
     def __init__(self, proc_root: str = "/proc",
-                 clock_ns: Callable[[], int] | None = None) -> None:
+                 clock_ns: Callable[[], int] | None = None,
+                 watch: Callable[[], Collection[int]] | None = None,
+                 task_waits: TaskWaits | None = None) -> None:
         self.root = proc_root
         self._clock = clock_ns or time.time_ns
+        self._watch = watch  # processes whose whole run-queue wait is read (taskstats)
+        self._waits = task_waits
 
     def snapshot(self) -> ProcSnapshot:
         snap = ProcSnapshot(self._clock())
+        for pid in self._watch() if self._watch is not None else ():
+            if self._waits is None:
+                self._waits = TaskWaits()
+            v = self._waits.wait_s(pid)
+            if v is not None:
+                snap.task_wait[pid] = v
         try:
             names = os.listdir(self.root)
         except OSError:
@@ -127,6 +203,8 @@ class ProcDelta:
     psi: dict[str, float]  # fraction of the time stalled
     session: dict[int, int] = field(default_factory=dict)  # session id (autogroup scheduling)
     runq_per_s: dict[int, float] = field(default_factory=dict)  # s waiting for a CPU per s
+    # the same, every thread of the process (taskstats), watched processes in both snapshots
+    task_wait_per_s: dict[int, float] = field(default_factory=dict)
 
 
 _NONE: ProcStat = ("", 0.0, 0.0, 0.0, 0.0, 0, 0.0)
@@ -148,6 +226,7 @@ def delta(a: ProcSnapshot, b: ProcSnapshot) -> ProcDelta:
         {k: max(0.0, v - a.psi.get(k, v)) / dt for k, v in b.psi.items()},
         {p: b.procs[p][5] for p in keys},
         {p: max(0.0, b.procs[p][6] - a.procs.get(p, _NONE)[6]) / dt for p in keys},
+        {p: max(0.0, v - a.task_wait[p]) / dt for p, v in b.task_wait.items() if p in a.task_wait},
     )
 
 

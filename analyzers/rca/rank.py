@@ -252,8 +252,14 @@ def starved_dependency(d: Decomposition, ctx: Context) -> None:
     pids = ctx.peer_pids(str(cul["peer"])) - ctx.victim_pids
     if not pids or not [r for r in rising if r[0] not in pids]:
         return
-    w = sum(pw.runq_per_s.get(p, 0.0) for p in pids)
-    b = sum(pb.runq_per_s.get(p, 0.0) for p in pids) if pb is not None else 0.0
+    # every thread's wait (taskstats) when both intervals have it for every callee process;
+    # else the main threads' (/proc schedstat: a thread-per-request server's waits are lost)
+    whole = pb is not None and all(p in pw.task_wait_per_s and p in pb.task_wait_per_s
+                                   for p in pids)
+    src_w = pw.task_wait_per_s if whole else pw.runq_per_s
+    src_b = (pb.task_wait_per_s if whole else pb.runq_per_s) if pb is not None else {}
+    w = sum(src_w.get(p, 0.0) for p in pids)
+    b = sum(src_b.get(p, 0.0) for p in pids)
     if w <= b:
         return
     moved = min(dep_ms, (w - b) * ctx.win_s * 1000.0 / len(ctx.win))

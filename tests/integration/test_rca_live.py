@@ -115,6 +115,7 @@ def test_cpu_competitor_in_the_servers_session_is_named(tmp_path: Path) -> None:
     assert during, f"no verdict during the fault; all: {rca.verdicts}"
     first = during[0]
     top = first["causes"][0]
+    print("first verdict in the fault:", json.dumps(first["causes"][:2]))
     assert top["cause"] == "cpu_starvation", json.dumps(first)
     assert top["culprit"] is not None and top["culprit"]["pid"] in culprits, json.dumps(first)
     assert top["explained_ms"] > 0

@@ -35,7 +35,8 @@ def _run(extra: Attrs, *, seconds: int = 40, fault_at: int = 30, rate: int = 40,
          hog_cores: float = 0.0, slos: list[dict[str, object]] | None = None,
          deps: bool = False, dep_ms: Callable[[bool], float] | None = None,
          dep_runq_s: float = 0.0, local_dep: bool = False,
-         dep_wait_us: Callable[[bool], float] | None = None) -> list[Verdict]:
+         dep_wait_us: Callable[[bool], float] | None = None,
+         dep_whole_wait_s: float | None = None) -> list[Verdict]:
     """A server answering `rate` requests a second in ~5 ms; from `fault_at` the fault: `extra`
     adds attributes (and its own latency via "dur_ms")."""
     rng = np.random.default_rng(7)
@@ -44,7 +45,7 @@ def _run(extra: Attrs, *, seconds: int = 40, fault_at: int = 30, rate: int = 40,
                     peer_pids=(lambda p: {DEP} if p == "10.0.0.50:9000" else set())
                     if local_dep else None)
     cpu = {VICTIM: 0.0, OTHER: 0.0, HOG: 0.0, DEP: 0.0}
-    runq = 0.0
+    runq = whole = 0.0
     out: list[Verdict] = []
     for sec in range(seconds):
         fault = sec >= fault_at
@@ -68,9 +69,12 @@ def _run(extra: Attrs, *, seconds: int = 40, fault_at: int = 30, rate: int = 40,
         cpu[HOG] += hog_cores if fault else 0.01
         cpu[DEP] += 0.02
         runq += dep_runq_s if fault else 0.0001  # the dependency's wait for a CPU, this second
+        # every thread's wait (taskstats), for the processes the engine asks to watch
+        whole += (dep_whole_wait_s or 0.0) if fault else 0.0001
+        watched = {p: whole for p in eng.watched_pids() if dep_whole_wait_s is not None}
         eng.add_procs(ProcSnapshot(T0 + (sec + 1) * SEC,
                                    {p: (f"p{p}", c, 50.0, 0.0, 0.0, p, runq if p == DEP else 0.0)
-                                    for p, c in cpu.items()}))
+                                    for p, c in cpu.items()}, {}, watched))
     out += eng.advance(T0 + (seconds + 5) * SEC)
     return out
 
@@ -153,6 +157,22 @@ def test_local_dependency_starved_by_a_competitor_is_cpu_starvation() -> None:
     assert top.explained_ms == pytest.approx(15.0, abs=1.0)
     dep = {c.cause: c for c in vs[0].causes}["slow_dependency"]
     assert dep.explained_ms == pytest.approx(14.0, abs=1.0)  # the rest stays the dependency's
+
+
+def test_a_thread_per_request_dependency_is_judged_on_every_threads_wait() -> None:
+    """Its main thread (accept) waited as before; the request threads, gone by the next
+    snapshot, waited 0.6 s a second: the engine watches the local callee it saw in CLIENT
+    spans, and the whole process's wait (taskstats) moves 15 ms to cpu_starvation."""
+    vs = _run(_slow_dep, deps=True, dep_ms=_dep, hog_cores=1.6, dep_runq_s=0.0001,
+              local_dep=True, dep_whole_wait_s=0.6)
+    assert vs and vs[0].causes[0].cause == "cpu_starvation", vs[0].causes
+    ev = {e.signal: e for e in vs[0].causes[0].evidence}
+    assert ev["dependency_runq_ms_per_s"].observed == pytest.approx(600.0, rel=0.05)
+    assert vs[0].causes[0].explained_ms == pytest.approx(15.0, abs=1.0)
+    # the main thread alone (no whole-process wait): the dependency stays the cause
+    vs = _run(_slow_dep, deps=True, dep_ms=_dep, hog_cores=1.6, dep_runq_s=0.0001,
+              local_dep=True)
+    assert vs and vs[0].causes[0].cause == "slow_dependency", vs[0].causes
 
 
 def test_a_starved_caller_reading_its_answer_late_is_not_a_slow_dependency() -> None:
