@@ -34,6 +34,10 @@ from .actuators import ActuatorError, descendants
 SCHED_DEADLINE = 6
 SCHED_FLAG_RESET_ON_FORK = 0x01
 SCHED_FLAG_RECLAIM = 0x02
+# the reservation a thread shrinks to before it leaves SCHED_DEADLINE (Sched.restore): the
+# kernel's smallest runtime (2**DL_SCALE ns) every second, a millionth of a CPU
+_RELEASE_RUNTIME_NS = 1 << 10
+_RELEASE_PERIOD_NS = 10**9
 _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}  # sched_setattr, sched_getattr
 
 
@@ -86,6 +90,20 @@ class Sched:
                                 sched_period=period_ns))
 
     def restore(self, tid: int, p: Policy) -> None:
+        """Back to the policy it had. A DEADLINE thread first shrinks to the smallest
+        reservation (1 us every second): the kernel returns a thread's bandwidth to the
+        admission pool at once when its parameters change, but only at its "0-lag" time when
+        it leaves the class, and on this VM's 6.18 kernel a thread that was sleeping then
+        never returns it (measured: every undo of a reservation leaked its bandwidth until
+        admission refused all; docs/control.md)."""
+        if p.policy != SCHED_DEADLINE:
+            try:
+                self.set(tid, SchedAttr(sched_policy=SCHED_DEADLINE, sched_runtime=_RELEASE_RUNTIME_NS,
+                                        sched_deadline=_RELEASE_PERIOD_NS,
+                                        sched_period=_RELEASE_PERIOD_NS))
+            except OSError as e:
+                if e.errno == errno.ESRCH:
+                    raise
         self.set(tid, SchedAttr(sched_policy=p.policy, sched_flags=p.flags, sched_nice=p.nice,
                                 sched_priority=p.priority))
 

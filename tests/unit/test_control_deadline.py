@@ -253,3 +253,25 @@ def test_stop_undoes_the_reservation(tmp_path: Path) -> None:
     loop.tick()
     loop.stop()
     assert sched.policy[8] == NORMAL
+
+
+def test_restore_shrinks_a_deadline_thread_before_it_leaves_the_class() -> None:
+    """Leaving SCHED_DEADLINE straight from a reservation leaked its bandwidth on the VM's
+    kernel; a change of parameters returns it at once. So: the smallest reservation first,
+    then the old policy; a thread that was DEADLINE before goes straight back."""
+    from sits_trace.analyzers.control.deadline import Sched
+
+    class Recorder(Sched):
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int, int, int]] = []
+
+        def set(self, tid: int, attr: SchedAttr) -> None:
+            self.calls.append((tid, attr.sched_policy, attr.sched_runtime, attr.sched_period))
+
+    s = Recorder()
+    s.restore(9, NORMAL)
+    assert s.calls == [(9, SCHED_DEADLINE, 1024, 10**9), (9, 0, 0, 0)]
+    assert 1024 / 10**9 < 1e-5  # what may still leak: a hundred-thousandth of a CPU
+    s.calls.clear()
+    s.restore(9, Policy(SCHED_DEADLINE, 0, 0, 0))
+    assert s.calls == [(9, SCHED_DEADLINE, 0, 0)]
