@@ -196,3 +196,22 @@ def test_schedstat_wait_is_the_second_field() -> None:
 
     assert parse_schedstat("123456 2500000000 17\n") == 2.5
     assert parse_schedstat("junk") == 0.0
+
+
+def test_unknown_cannot_lead_a_cause_that_explains_more_than_is_left() -> None:
+    """The live CI verdict: a TTFT rise of 128 ms, the link's round-trip time explained 66 ms,
+    62 ms were left; the model scored unknown 0.48, network_delay 0.45. unknown drops below;
+    with only 10 ms explained it keeps its lead, and so it does with nothing measured."""
+    from sits_trace.analyzers.rca import causes as C
+    from sits_trace.analyzers.rca import rank
+    from sits_trace.analyzers.rca.decompose import Decomposition
+
+    scores = {C.UNKNOWN: 0.48, C.NETWORK_DELAY: 0.45, C.REQUEST_MIX_SHIFT: 0.13}
+    d = Decomposition("ttft_ms", 9.0, 137.0, {C.NETWORK_DELAY: 66.0, C.REQUEST_MIX_SHIFT: 0.5})
+    out = rank.consistent(d, scores)
+    assert max(out, key=lambda c: out[c]) == C.NETWORK_DELAY
+    d = Decomposition("ttft_ms", 9.0, 137.0, {C.NETWORK_DELAY: 10.0})
+    out = rank.consistent(d, scores)
+    assert max(out, key=lambda c: out[c]) == C.UNKNOWN
+    d = Decomposition("ttft_ms", 9.0, 137.0, {})
+    assert rank.consistent(d, scores) == scores
