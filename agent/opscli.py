@@ -128,12 +128,13 @@ def top(
 def install_service(
     root: Annotated[Path, typer.Option("--root", help="install under this root (images, tests)")] = Path("/"),
     enable: Annotated[bool, typer.Option("--enable/--no-enable", help="systemctl enable --now when systemd runs")] = True,
+    act: Annotated[bool, typer.Option("--act", help="also the drop-in control.mode act needs (root, CAP_SYS_NICE, CAP_DAC_OVERRIDE)")] = False,
 ) -> None:
     """Install the systemd unit, /etc/sits-trace/config.toml (kept if present) and reload systemd."""
     from .service import ServiceError, install
 
     try:
-        for line in install(root, executable=_executable(), enable=enable):
+        for line in install(root, executable=_executable(), enable=enable, act=act):
             typer.echo(f"sits-trace: {line}", err=True)
     except ServiceError as exc:
         _fail(str(exc), 1)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 UNIT_NAME = "sits-trace.service"
 UNIT_SOURCE = Path(__file__).resolve().parent.parent / "systemd" / UNIT_NAME
+ACT_SOURCE = UNIT_SOURCE.with_name("sits-trace-act.conf")  # the drop-in for control.mode "act"
+ACT_DROPIN = f"{UNIT_NAME}.d/act.conf"
 DEFAULT_EXEC = "/opt/sits-trace/.venv/bin/sits-trace"
 Runner = Callable[[list[str]], int]
 
@@ -33,11 +35,22 @@ def render_unit(executable: Path, source: Path = UNIT_SOURCE) -> str:
     return text
 
 
-def service_config() -> str:
-    """The defaults, with spans to no JSON stdout (the journal is not a span store)."""
+def service_config(act: bool = False) -> str:
+    """The defaults, with spans to no JSON stdout (the journal is not a span store); with
+    `act`, the control loop acts."""
     from .configdoc import defaults_toml  # noqa: PLC0415 - only when installing
 
-    return defaults_toml().replace('jsonl_path = "-"', 'jsonl_path = ""', 1)
+    text = defaults_toml().replace('jsonl_path = "-"', 'jsonl_path = ""', 1)
+    return text.replace('mode = "advise"', 'mode = "act"', 1) if act else text
+
+
+def _control_mode(conf: Path) -> str:
+    from .config import ConfigError, load  # noqa: PLC0415 - only when installing
+
+    try:
+        return load(conf, env={}).control.mode
+    except ConfigError:
+        return "?"
 
 
 def systemd_running(root: Path) -> bool:
@@ -48,20 +61,30 @@ def _run(cmd: list[str]) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
-def install(root: Path, executable: Path, enable: bool = True, run: Runner = _run
-            ) -> Iterator[str]:
+def install(root: Path, executable: Path, enable: bool = True, run: Runner = _run,
+            act: bool = False) -> Iterator[str]:
     unit = root / "etc/systemd/system" / UNIT_NAME
+    dropin = root / "etc/systemd/system" / ACT_DROPIN
     conf = root / "etc/sits-trace/config.toml"
     text = render_unit(executable)
     try:
         unit.parent.mkdir(parents=True, exist_ok=True)
         unit.write_text(text)
         yield f"wrote {unit}"
+        if act:
+            dropin.parent.mkdir(parents=True, exist_ok=True)
+            dropin.write_text(ACT_SOURCE.read_text())
+            yield f"wrote {dropin} (root, CAP_SYS_NICE, CAP_DAC_OVERRIDE: control.mode act)"
+        elif dropin.exists():
+            dropin.unlink()
+            yield f"removed {dropin} (the unit is back to its least privileges)"
         if conf.exists():
             yield f"kept {conf}"
+            if act and _control_mode(conf) != "act":
+                yield f'{conf} has control.mode = "{_control_mode(conf)}": set it to "act"'
         else:
             conf.parent.mkdir(parents=True, exist_ok=True)
-            conf.write_text(service_config())
+            conf.write_text(service_config(act))
             yield f"wrote {conf}"
     except OSError as exc:
         raise ServiceError(f"{exc.filename}: {exc.strerror} (run as root)") from None
@@ -88,6 +111,12 @@ def uninstall(root: Path, purge: bool = False, run: Runner = _run) -> Iterator[s
         if unit.exists():
             unit.unlink()
             yield f"removed {unit}"
+        dropin = root / "etc/systemd/system" / ACT_DROPIN
+        if dropin.exists():
+            dropin.unlink()
+            yield f"removed {dropin}"
+            if not any(dropin.parent.iterdir()):
+                dropin.parent.rmdir()
         if purge and (root / "etc/sits-trace").exists():
             shutil.rmtree(root / "etc/sits-trace")
             yield f"removed {root / 'etc/sits-trace'}"

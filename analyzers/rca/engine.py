@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ import numpy as np
 from . import rank
 from .decompose import decompose
 from .model import LinearModel, scores
-from .procs import ProcDelta, ProcSnapshot, delta
+from .procs import ProcDelta, ProcSnapshot, delta, task_wait_rates
 from .slo import Breach, DegradationRule, Slo, degradation, slo_breaches, window_stats
 from .spantable import Row, empty_frame, service_of, span_row, to_frame
 from .verdict import Verdict
@@ -207,8 +208,23 @@ class RcaEngine:
         if len(self._procs) < 2 or t1 <= t0:
             return None
         ts = [p.t_ns for p in self._procs]
-        a, b = self._procs[_nearest(ts, t0)], self._procs[_nearest(ts, t1)]
-        return delta(a, b) if b.t_ns > a.t_ns else None
+        ia, ib = _nearest(ts, t0), _nearest(ts, t1)
+        a, b = self._procs[ia], self._procs[ib]
+        if b.t_ns <= a.t_ns:
+            return None
+        d = delta(a, b)
+        missing = set(b.task_wait) - set(a.task_wait)
+        # a callee watched since inside the interval (the engine looks one up when its first
+        # window closes): its wait counts from the first snapshot that has it
+        for s in itertools.islice(self._procs, ia + 1, ib):
+            if not missing:
+                break
+            got = missing & set(s.task_wait)
+            if got:
+                rates = task_wait_rates(s, b)
+                d.task_wait_per_s.update({p: rates[p] for p in got})
+                missing -= got
+        return d
 
     def _frames(self, t0: int, t1: int, b0: int, b1: int
                 ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:

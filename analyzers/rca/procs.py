@@ -226,8 +226,15 @@ def delta(a: ProcSnapshot, b: ProcSnapshot) -> ProcDelta:
         {k: max(0.0, v - a.psi.get(k, v)) / dt for k, v in b.psi.items()},
         {p: b.procs[p][5] for p in keys},
         {p: max(0.0, b.procs[p][6] - a.procs.get(p, _NONE)[6]) / dt for p in keys},
-        {p: max(0.0, v - a.task_wait[p]) / dt for p, v in b.task_wait.items() if p in a.task_wait},
+        task_wait_rates(a, b),
     )
+
+
+def task_wait_rates(a: ProcSnapshot, b: ProcSnapshot) -> dict[int, float]:
+    """Seconds waited for a CPU per second, every thread, of the watched processes in both."""
+    dt = max((b.t_ns - a.t_ns) / 1e9, 1e-3)
+    return {p: max(0.0, v - a.task_wait[p]) / dt for p, v in b.task_wait.items()
+            if p in a.task_wait}
 
 
 def shares_cpus(pid: int, victim: int) -> bool:

@@ -348,3 +348,66 @@ def test_the_units_sandbox_holds() -> None:
         assert got["modify_ldt"] == "EPERM"  # SystemCallFilter=~@cpu-emulation
         assert got["personality"] == "EPERM"  # LockPersonality
         assert got["bpf"] == "EINVAL"  # the kernel judged it (size 0): the filter let it by
+
+
+RESERVE_PROBE = r"""
+import json, sys, time
+from sits_trace.analyzers.control.deadline import DeadlineReserver
+served = int(open("/srv/served.pid").read())
+r = DeadlineReserver()
+try:
+    got = r.apply(r.plan("cpu_starvation", served))
+    print(json.dumps({"reserved_cpus": got.cpus}), flush=True)
+    r.revert(served)
+except Exception as e:
+    print(json.dumps({"reserve_error": str(e)}), flush=True)
+"""
+SPIN = "import time\nwhile True:\n t = time.perf_counter()\n while time.perf_counter() - t < 0.003: pass\n time.sleep(0.02)"
+
+
+def _reserve_as_unit(box: Container, name: str, dropin: bool) -> dict[str, Any]:
+    """The unit's [Service] (and the act drop-in's) with ExecStart replaced by a reservation
+    of the served process's busy thread; what the probe printed."""
+    from sits_trace.agent.service import render_unit
+
+    python = REPO / ".venv" / "bin" / "python"
+    text = render_unit(REPO / ".venv" / "bin" / "sits-trace")
+    text = re.sub(r"(?m)^ExecStart=.*$", f"ExecStart={python} /srv/reserve.py", text)
+    text = re.sub(r"(?m)^(Type=notify|WatchdogSec=.*|ExecReload=.*)$", "", text)
+    text = text.replace("[Service]", "[Service]\nType=oneshot\nRemainAfterExit=yes", 1)
+    unit_dir = box.root / "etc/systemd/system"
+    (unit_dir / f"{name}.service").write_text(text)
+    if dropin:
+        (unit_dir / f"{name}.service.d").mkdir(exist_ok=True)
+        (unit_dir / f"{name}.service.d/act.conf").write_text(
+            (REPO / "systemd/sits-trace-act.conf").read_text())
+    box.sh("systemctl", "daemon-reload")
+    box.sh("systemctl", "start", name, check=False)
+    log = box.journal(name)
+    line = next((x for x in log.splitlines() if x.startswith("{")), None)
+    assert line, log
+    return dict(json.loads(line))
+
+
+def test_the_act_drop_in_lets_the_service_reserve_cpu() -> None:
+    """Under systemd, the unit with `sits-trace-act.conf` (root, CAP_SYS_NICE,
+    RestrictRealtime=no) gives another service's busy thread a SCHED_DEADLINE reservation and
+    takes it back; the unit alone is refused (EPERM). The cgroup half of act (throttles) is
+    tested in test_service_privileges.py: this container's cgroup v1 hierarchies are the
+    container's, not the host's."""
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+    with booted() as box:
+        (box.root / "srv/reserve.py").write_text(RESERVE_PROBE)
+        box.sh("systemd-run", "--unit=sits-served", "-p", "DynamicUser=yes", "/usr/bin/python3",
+               "-c", SPIN)
+        wait_for("served", lambda: box.prop("sits-served", "MainPID") not in ("", "0"))
+        (box.root / "srv/served.pid").write_text(box.prop("sits-served", "MainPID"))
+        time.sleep(0.5)
+        act = _reserve_as_unit(box, "sits-act-probe", dropin=True)
+        assert float(act.get("reserved_cpus", 0)) > 0, act
+        plain = _reserve_as_unit(box, "sits-plain-probe", dropin=False)
+        assert "Operation not permitted" in str(plain.get("reserve_error")), plain
+        verify = box.sh("systemd-analyze", "verify", "sits-act-probe.service", check=False)
+        assert "act.conf" not in verify.stdout + verify.stderr, verify.stdout + verify.stderr

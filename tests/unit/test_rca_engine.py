@@ -169,6 +169,12 @@ def test_a_thread_per_request_dependency_is_judged_on_every_threads_wait() -> No
     ev = {e.signal: e for e in vs[0].causes[0].evidence}
     assert ev["dependency_runq_ms_per_s"].observed == pytest.approx(600.0, rel=0.05)
     assert vs[0].causes[0].explained_ms == pytest.approx(15.0, abs=1.0)
+    # a fault early enough that the baseline reaches back before the watch began (the
+    # engine looks up its callees once their first window closes): counted from the first
+    # snapshot that has the wait (CI: the baseline fell back to the main thread's wait)
+    vs = _run(_slow_dep, deps=True, dep_ms=_dep, hog_cores=1.6, dep_runq_s=0.0001,
+              local_dep=True, dep_whole_wait_s=0.6, seconds=24, fault_at=14)
+    assert vs and vs[0].causes[0].cause == "cpu_starvation", vs[0].causes
     # the main thread alone (no whole-process wait): the dependency stays the cause
     vs = _run(_slow_dep, deps=True, dep_ms=_dep, hog_cores=1.6, dep_runq_s=0.0001,
               local_dep=True)

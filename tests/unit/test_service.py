@@ -80,3 +80,28 @@ def test_an_installation_under_tmp_is_bound_back_into_the_private_tmp() -> None:
     unit = render_unit(Path("/tmp/ci/checkout/.venv/bin/sits-trace"))
     assert "PrivateTmp=yes\nBindReadOnlyPaths=/tmp/ci/checkout\n" in unit
     assert "BindReadOnlyPaths" not in render_unit(Path("/opt/sits-trace/.venv/bin/sits-trace"))
+
+
+def test_act_drop_in_is_installed_with_act_and_removed_without(tmp_path: Path) -> None:
+    exe = Path("/srv/sits/.venv/bin/sits-trace")
+    dropin = tmp_path / "etc/systemd/system/sits-trace.service.d/act.conf"
+    conf = tmp_path / "etc/sits-trace/config.toml"
+    lines = list(install(tmp_path, exe, run=lambda c: 0, act=True))
+    text = dropin.read_text()
+    for line in ("User=root", "DynamicUser=no", "ProtectControlGroups=no", "RestrictRealtime=no",
+                 "CapabilityBoundingSet=CAP_SYS_NICE CAP_DAC_OVERRIDE",
+                 "AmbientCapabilities=CAP_SYS_NICE CAP_DAC_OVERRIDE",
+                 "RuntimeDirectoryPreserve=yes"):
+        assert line in text.splitlines(), line
+    assert load(conf, env={}).control.mode == "act"  # a fresh config acts
+    assert any("act.conf" in x for x in lines)
+    # a kept config that does not act is named, not rewritten
+    conf.write_text('[control]\nmode = "advise"\n')
+    lines = list(install(tmp_path, exe, run=lambda c: 0, act=True))
+    assert any('set it to "act"' in x for x in lines) and "advise" in conf.read_text()
+    # a plain reinstall goes back to the least privileges
+    lines = list(install(tmp_path, exe, run=lambda c: 0))
+    assert not dropin.exists() and any("removed" in x and "act.conf" in x for x in lines)
+    list(install(tmp_path, exe, run=lambda c: 0, act=True))
+    list(uninstall(tmp_path, run=lambda c: 0))
+    assert not dropin.exists() and not dropin.parent.exists()
