@@ -365,7 +365,7 @@ except Exception as e:
 SPIN = "import time\nwhile True:\n t = time.perf_counter()\n while time.perf_counter() - t < 0.003: pass\n time.sleep(0.02)"
 
 
-def _reserve_as_unit(box: Container, name: str, dropin: bool) -> dict[str, Any]:
+def _reserve_as_unit(box: Container, name: str, dropin: str | None) -> dict[str, Any]:
     """The unit's [Service] (and the act drop-in's) with ExecStart replaced by a reservation
     of the served process's busy thread; what the probe printed."""
     from sits_trace.agent.service import render_unit
@@ -377,10 +377,9 @@ def _reserve_as_unit(box: Container, name: str, dropin: bool) -> dict[str, Any]:
     text = text.replace("[Service]", "[Service]\nType=oneshot\nRemainAfterExit=yes", 1)
     unit_dir = box.root / "etc/systemd/system"
     (unit_dir / f"{name}.service").write_text(text)
-    if dropin:
+    if dropin is not None:
         (unit_dir / f"{name}.service.d").mkdir(exist_ok=True)
-        (unit_dir / f"{name}.service.d/act.conf").write_text(
-            (REPO / "systemd/sits-trace-act.conf").read_text())
+        (unit_dir / f"{name}.service.d/act.conf").write_text(dropin)
     box.sh("systemctl", "daemon-reload")
     box.sh("systemctl", "start", name, check=False)
     log = box.journal(name)
@@ -390,9 +389,9 @@ def _reserve_as_unit(box: Container, name: str, dropin: bool) -> dict[str, Any]:
 
 
 def test_the_act_drop_in_lets_the_service_reserve_cpu() -> None:
-    """Under systemd, the unit with `sits-trace-act.conf` (root, CAP_SYS_NICE,
-    RestrictRealtime=no) gives another service's busy thread a SCHED_DEADLINE reservation and
-    takes it back; the unit alone is refused (EPERM). The cgroup half of act (throttles) is
+    """Under systemd, the unit with `sits-trace-act.conf` (root, CAP_SYS_NICE) gives another
+    service's busy thread a SCHED_DEADLINE reservation and takes it back, RestrictRealtime=yes
+    and all; the unit alone is refused (EPERM). The cgroup half of act (throttles) is
     tested in test_service_privileges.py: this container's cgroup v1 hierarchies are the
     container's, not the host's."""
     reason = why_not()
@@ -405,9 +404,13 @@ def test_the_act_drop_in_lets_the_service_reserve_cpu() -> None:
         wait_for("served", lambda: box.prop("sits-served", "MainPID") not in ("", "0"))
         (box.root / "srv/served.pid").write_text(box.prop("sits-served", "MainPID"))
         time.sleep(0.5)
-        act = _reserve_as_unit(box, "sits-act-probe", dropin=True)
+        dropin = (REPO / "systemd/sits-trace-act.conf").read_text()
+        act = _reserve_as_unit(box, "sits-act-probe", dropin)
         assert float(act.get("reserved_cpus", 0)) > 0, act
-        plain = _reserve_as_unit(box, "sits-plain-probe", dropin=False)
+        plain = _reserve_as_unit(box, "sits-plain-probe", None)
         assert "Operation not permitted" in str(plain.get("reserve_error")), plain
+        # the unit keeps RestrictRealtime=yes: systemd filters sched_setscheduler, not the
+        # sched_setattr the reservation uses
+        assert box.prop("sits-act-probe", "RestrictRealtime") == "yes"
         verify = box.sh("systemd-analyze", "verify", "sits-act-probe.service", check=False)
         assert "act.conf" not in verify.stdout + verify.stderr, verify.stdout + verify.stderr

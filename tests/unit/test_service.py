@@ -88,7 +88,7 @@ def test_act_drop_in_is_installed_with_act_and_removed_without(tmp_path: Path) -
     conf = tmp_path / "etc/sits-trace/config.toml"
     lines = list(install(tmp_path, exe, run=lambda c: 0, act=True))
     text = dropin.read_text()
-    for line in ("User=root", "DynamicUser=no", "ProtectControlGroups=no", "RestrictRealtime=no",
+    for line in ("User=root", "DynamicUser=no", "ProtectControlGroups=no",
                  "CapabilityBoundingSet=CAP_SYS_NICE CAP_DAC_OVERRIDE",
                  "AmbientCapabilities=CAP_SYS_NICE CAP_DAC_OVERRIDE",
                  "RuntimeDirectoryPreserve=yes"):
