@@ -6,10 +6,11 @@ Feeds ring records built the way bpf/http.c lays them out (struct data_event: an
 keep-alive request and response, two records per exchange; a uvicorn-like SSE stream of
 `--tokens` events, per-write records against the kernel's folded summary) through the
 agent's own code, one stage at a time, and prints the median over `--repeat` runs of each
-stage's µs per span (process CPU time). `otlp` is the shipped path (SDK ReadableSpan per span,
-then the SDK's protobuf encoder, in batches of 512); `otlp_direct_proto` is a prototype that
-builds the protobuf messages from our spans directly, and `otlp_wire_proto` one that writes the
-protobuf bytes by hand (checked by parsing them back); neither is counted in total_us. The node signals (TCP, run queue) are not in here:
+stage's µs per span (process CPU time). `otlp` is the shipped encoder (exporters/_otlp_traces.py:
+our spans straight into the protobuf messages, a request per batch of 512); `otlp_sdk` the
+path before it (an SDK ReadableSpan per span, then the SDK's encoder), and `otlp_wire_proto` a
+prototype that writes the protobuf bytes by hand (checked by parsing them back); neither of
+those two is counted in total_us. The node signals (TCP, run queue) are not in here:
 they read kernel maps; bench/overhead.py measures the whole agent, them included.
 """
 
@@ -112,64 +113,55 @@ def parse_all(events: list[ev.Event]) -> list[Exchange]:
     return out
 
 
-def otlp_encoder() -> Callable[[list[Span]], int] | None:
+def otlp_sdk_encoder() -> Callable[[list[Span]], int] | None:
+    """The path the exporter took before (kept here to compare): a ReadableSpan per span,
+    then the SDK's encoder."""
     try:
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
         from opentelemetry.sdk.resources import Resource
-        from sits_trace.exporters.otlp import to_readable
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+        from opentelemetry.trace.status import Status, StatusCode
     except ImportError:
         return None
     res = Resource.create({"service.name": "nginx"})
+    scope = InstrumentationScope("sits-trace", "0.1.0")
+    kinds = {"SERVER": SpanKind.SERVER, "CLIENT": SpanKind.CLIENT}
+
+    def readable(sp: Span) -> ReadableSpan:
+        tid = int(sp.trace_id, 16)
+        ctx = SpanContext(tid, int(sp.span_id, 16), False, TraceFlags(TraceFlags.SAMPLED))
+        parent = SpanContext(tid, int(sp.parent_span_id, 16), True,
+                             TraceFlags(TraceFlags.SAMPLED)) if sp.parent_span_id else None
+        return ReadableSpan(
+            name=sp.name, context=ctx, parent=parent, resource=res,
+            attributes={k: v for k, v in sp.attributes.items() if not k.startswith("process.")},
+            kind=kinds.get(sp.kind, SpanKind.INTERNAL),
+            status=Status(StatusCode.ERROR if sp.status_code == "ERROR" else StatusCode.UNSET),
+            start_time=sp.start_time_unix_nano, end_time=sp.end_time_unix_nano,
+            instrumentation_scope=scope)
 
     def encode(spans: list[Span]) -> int:
         n = 0
         for i in range(0, len(spans), 512):  # the SDK's batch size
-            n += len(encode_spans([to_readable(s, res) for s in spans[i:i + 512]])
-                     .SerializeToString())
+            n += len(encode_spans([readable(s) for s in spans[i:i + 512]]).SerializeToString())
         return n
+    encode.request = lambda spans: encode_spans([readable(s) for s in spans])  # type: ignore[attr-defined]
     return encode
 
 
-def otlp_direct_encoder() -> Callable[[list[Span]], int] | None:
-    """A prototype, not the shipped exporter: our spans straight into OTLP protobuf messages
-    (upb), a batch per request, no SDK ReadableSpan per span. Same fields as to_readable."""
-    try:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-        from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-        from opentelemetry.proto.trace.v1 import trace_pb2
-    except ImportError:
-        return None
-    kinds = {"SERVER": 2, "CLIENT": 3}
+def otlp_encoder() -> Callable[[list[Span]], int]:
+    """The shipped exporter's encoder (exporters/_otlp_traces.py): a request per batch of
+    512, resources from the resolver's attributes."""
+    from sits_trace.exporters._otlp_traces import encode as encode_batch
 
-    def value(v: object) -> AnyValue:
-        if isinstance(v, bool):
-            return AnyValue(bool_value=v)
-        if isinstance(v, int):
-            return AnyValue(int_value=v)
-        if isinstance(v, float):
-            return AnyValue(double_value=v)
-        return AnyValue(string_value=str(v))
+    def resource(sp: Span) -> dict[str, str | int]:
+        return {"service.name": "nginx", "process.pid": int(sp.attributes.get("process.pid", 0))}
 
     def encode(spans: list[Span]) -> int:
-        n = 0
-        for i in range(0, len(spans), 512):
-            req = ExportTraceServiceRequest()
-            ss = req.resource_spans.add().scope_spans.add()
-            ss.scope.name = "sits-trace"
-            out = ss.spans
-            for sp in spans[i:i + 512]:
-                out.append(trace_pb2.Span(
-                    trace_id=bytes.fromhex(sp.trace_id), span_id=bytes.fromhex(sp.span_id),
-                    parent_span_id=bytes.fromhex(sp.parent_span_id) if sp.parent_span_id else b"",
-                    name=sp.name, kind=kinds.get(sp.kind, 1),  # type: ignore[arg-type]
-                    start_time_unix_nano=sp.start_time_unix_nano,
-                    end_time_unix_nano=sp.end_time_unix_nano,
-                    attributes=[KeyValue(key=k, value=value(v)) for k, v in sp.attributes.items()
-                                if not k.startswith("process.")]))
-            n += len(req.SerializeToString())
-        return n
+        return sum(len(encode_batch(spans[i:i + 512], resource).SerializeToString())
+                   for i in range(0, len(spans), 512))
     return encode
 
 
@@ -263,11 +255,10 @@ def stages(records: list[bytes]) -> dict[str, float]:
     out["span"] = cpu_us(lambda: spans.extend(builder.build(x) for x in exchanges))
     out["json"] = cpu_us(lambda: [json.dumps(s.to_json(), separators=(",", ":")) for s in spans])
     enc = otlp_encoder()
-    if enc is not None:
-        out["otlp"] = cpu_us(lambda: enc(spans))
-    direct = otlp_direct_encoder()
-    if direct is not None:
-        out["otlp_direct_proto"] = cpu_us(lambda: direct(spans))
+    out["otlp"] = cpu_us(lambda: enc(spans))
+    sdk = otlp_sdk_encoder()
+    if sdk is not None:
+        out["otlp_sdk"] = cpu_us(lambda: sdk(spans))
     wire = otlp_wire_encoder()
     check_wire(spans[:200])
     out["otlp_wire_proto"] = cpu_us(lambda: wire(spans))
@@ -295,7 +286,7 @@ def main() -> None:
         runs = [stages(recs) for _ in range(a.repeat)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         med["total_us"] = sum(v for k, v in med.items()
-                              if k not in ("spans", "records_per_span", "otlp_direct_proto",
+                              if k not in ("spans", "records_per_span", "otlp_sdk",
                                            "otlp_wire_proto"))
         report[name] = med
         cols = " ".join(f"{k}={v:.2f}" for k, v in med.items() if k not in ("spans",))

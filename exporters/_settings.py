@@ -7,6 +7,7 @@ _METRICS_* variable -> OTEL_EXPORTER_OTLP_* -> the default. Raises ConfigError.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -35,6 +36,12 @@ class OtlpSettings:
     batch_delay_s: float = 1.0
     retry_deadline_s: float = 30.0
     max_label_sets: int = 1000
+    # the standard OTEL_EXPORTER_OTLP_[TRACES_]{COMPRESSION,CERTIFICATE,CLIENT_KEY,
+    # CLIENT_CERTIFICATE}: spans are sent by our own sender (_otlp_traces), not the SDK's
+    gzip: bool = False
+    certificate: str = ""
+    client_key: str = ""
+    client_certificate: str = ""
 
 
 def _env(environ: Mapping[str, str], signal: str, name: str) -> str:
@@ -99,6 +106,14 @@ def otlp_settings(cfg: ExportConfig, environ: Mapping[str, str]) -> OtlpSettings
     resource = parse_key_values(environ.get("OTEL_RESOURCE_ATTRIBUTES", ""))
     resource.update(parse_key_values(cfg.resource_attributes))
     service = cfg.service_name or environ.get("OTEL_SERVICE_NAME", "").strip()
+    compression = _env(environ, "traces", "COMPRESSION").lower()
+    if compression not in ("", "none", "gzip"):
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_COMPRESSION: {compression!r} is not one of "
+                          "'gzip', 'none'")
+    for name in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"):
+        path = _env(environ, "traces", name)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"OTEL_EXPORTER_OTLP_{name}: {path} is not a readable file")
     return OtlpSettings(
         protocol=protocol, traces_endpoint=traces,
         metrics_endpoint=_endpoint(cfg, environ, protocol, "metrics")
@@ -108,4 +123,7 @@ def otlp_settings(cfg: ExportConfig, environ: Mapping[str, str]) -> OtlpSettings
         metrics_interval_s=cfg.otlp_metrics_interval_s, queue_size=cfg.queue_size,
         batch_size=cfg.batch_size, batch_delay_s=cfg.batch_delay_s,
         retry_deadline_s=cfg.retry_deadline_s, max_label_sets=cfg.max_label_sets,
+        gzip=compression == "gzip", certificate=_env(environ, "traces", "CERTIFICATE"),
+        client_key=_env(environ, "traces", "CLIENT_KEY"),
+        client_certificate=_env(environ, "traces", "CLIENT_CERTIFICATE"),
     )

@@ -1,14 +1,12 @@
-"""OTLP traces and metrics (gRPC or HTTP/protobuf) through opentelemetry-sdk.
+"""OTLP traces and metrics (gRPC or HTTP/protobuf).
 
-Our spans already carry their ids and times, so each becomes a ``ReadableSpan``
-(SpanContext, parent, kind, status, attributes, resource) handed straight to the
-SDK's ``OTLPSpanExporter`` from our own bounded queue and worker thread
-(``_queue.QueuedExporter``): a collector that is down or slow fills the queue and
-costs dropped spans, never a stalled tracing thread. The SDK exporter retries
-transient errors within its timeout; the queue retries a refused batch with
-jittered backoff until the retry deadline. Spans of one process share one cached
-``Resource`` (service.name, host.name, process.pid, container.id), so the SDK's
-encoder groups each batch by resource.
+Spans: each batch is encoded straight into one OTLP request (``_otlp_traces``: our spans
+into opentelemetry-proto's messages, no SDK span object per span) and sent by our own
+sender from our bounded queue and worker thread (``_queue.QueuedExporter``): a collector
+that is down or slow fills the queue and costs dropped spans, never a stalled tracing
+thread; a refused batch is retried with jittered backoff until the retry deadline. Spans
+of one process share one resource (service.name, host.name, process.pid, container.id),
+so a request groups them per process.
 
 Metrics: RED duration histograms of the exported spans and the agent's health,
 through the SDK's MeterProvider and a periodic OTLP metric exporter.
@@ -19,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -27,46 +25,22 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
-from opentelemetry.trace.status import Status, StatusCode
-from sits_trace.agent.model import AgentStats, Span
+from sits_trace.agent.model import AgentStats, AttrValue, Span
 
 from ._base import ExporterStats
+from ._otlp_traces import Transport, encode, sender
 from ._queue import QueuedExporter, RetryPolicy
 from ._red import DURATION_BUCKETS_S, LABELS, METRIC_OF_KIND, LabelLimiter, span_labels
-from ._resource import PROCESS_KEYS, ResourceResolver
+from ._resource import ResourceResolver
 from ._settings import OtlpSettings
 
 log = logging.getLogger(__name__)
 
-SCOPE = InstrumentationScope("sits-trace", "0.1.0")
 AgentStatsFn = Callable[[], AgentStats]
 ExporterStatsFn = Callable[[], Sequence[ExporterStats]]
-_KINDS = {"SERVER": SpanKind.SERVER, "CLIENT": SpanKind.CLIENT, "INTERNAL": SpanKind.INTERNAL,
-          "PRODUCER": SpanKind.PRODUCER, "CONSUMER": SpanKind.CONSUMER}
 # Prometheus-style labels (_red.LABELS) -> OTel attribute names
 _OTEL_ATTR = dict(zip(LABELS, ("service.name", "http.request.method", "http.route",
                                "http.response.status_code")))
-
-
-def span_exporter(s: OtlpSettings) -> SpanExporter:
-    """The SDK's OTLP span exporter for the settings' protocol."""
-    if s.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415 - the protocol asked for only
-            OTLPSpanExporter as GrpcSpanExporter,
-        )
-
-        return GrpcSpanExporter(endpoint=s.traces_endpoint, headers=s.headers or None,
-                                timeout=s.timeout_s)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415 - the protocol asked for only
-        OTLPSpanExporter as HttpSpanExporter,
-    )
-
-    return HttpSpanExporter(endpoint=s.traces_endpoint, headers=s.headers or None,
-                            timeout=s.timeout_s)
 
 
 def metric_exporter(s: OtlpSettings) -> MetricExporter:
@@ -85,49 +59,14 @@ def metric_exporter(s: OtlpSettings) -> MetricExporter:
                               timeout=s.timeout_s)
 
 
-def _hex_id(text: str | None, digits: int) -> int:
-    if not text or len(text) != digits:
-        return 0
-    try:
-        return int(text, 16)
-    except ValueError:
-        return 0
-
-
-def to_readable(span: Span, resource: Resource) -> ReadableSpan:
-    """Our Span as the SDK's ReadableSpan; process.* attributes live on the resource."""
-    trace_id = _hex_id(span.trace_id, 32)
-    ctx = SpanContext(trace_id, _hex_id(span.span_id, 16), is_remote=False,
-                      trace_flags=TraceFlags(TraceFlags.SAMPLED))
-    parent_id = _hex_id(span.parent_span_id, 16)
-    parent = SpanContext(trace_id, parent_id, is_remote=True,
-                         trace_flags=TraceFlags(TraceFlags.SAMPLED)) if parent_id else None
-    attrs = {k: v for k, v in span.attributes.items() if k not in PROCESS_KEYS}
-    status = Status(StatusCode.ERROR) if span.status_code == "ERROR" else Status(StatusCode.UNSET)
-    return ReadableSpan(
-        name=span.name, context=ctx, parent=parent, resource=resource, attributes=attrs,
-        kind=_KINDS.get(span.kind, SpanKind.INTERNAL), status=status,
-        start_time=span.start_time_unix_nano, end_time=span.end_time_unix_nano,
-        instrumentation_scope=SCOPE,
-    )
-
-
 class _Resources:
-    """One Resource object per process, so a batch groups by identity."""
+    """A span's resource attributes (service, process, host, container)."""
 
     def __init__(self, resolver: ResourceResolver) -> None:
         self._resolver = resolver
-        self._objs: dict[tuple[tuple[str, Any], ...], Resource] = {}
 
-    def of(self, span: Span) -> Resource:
-        attrs = self._resolver.attributes(span)
-        key = tuple(sorted(attrs.items()))
-        r = self._objs.get(key)
-        if r is None:
-            if len(self._objs) > 4096:
-                self._objs.clear()
-            r = self._objs[key] = Resource(attrs)
-        return r
+    def attributes(self, span: Span) -> Mapping[str, AttrValue]:
+        return self._resolver.attributes(span)
 
 
 class _Metrics:
@@ -163,7 +102,7 @@ class _Metrics:
             metric = METRIC_OF_KIND.get(span.kind)
             if metric is None:
                 continue
-            service = str(resources.of(span).attributes.get("service.name", ""))
+            service = str(resources.attributes(span).get("service.name", ""))
             labels = self._limiters[metric].admit(span_labels(span, service))
             attrs = {_OTEL_ATTR[k]: v for k, v in zip(LABELS, labels) if v != ""}
             dur = max(span.end_time_unix_nano - span.start_time_unix_nano, 0) / 1e9
@@ -216,8 +155,8 @@ class _Metrics:
 class OtlpExporter:
     """Spans to an OTLP collector, behind a bounded queue on the exporter's own thread."""
 
-    def __init__(self, settings: OtlpSettings, *, spans: SpanExporter | None = None,
-                 metrics: MetricExporter | None = None, proc_root: str = "/proc",
+    def __init__(self, settings: OtlpSettings, *, metrics: MetricExporter | None = None,
+                 proc_root: str = "/proc",
                  hostname: str | None = None, exporter_stats: ExporterStatsFn | None = None,
                  retry: RetryPolicy | None = None) -> None:
         self.name = f"otlp-{'grpc' if settings.protocol == 'grpc' else 'http'}"
@@ -225,7 +164,9 @@ class OtlpExporter:
         self._resources = _Resources(ResourceResolver(
             service_name=settings.service_name, extra=settings.resource_attributes,
             proc_root=proc_root, hostname=hostname))
-        self._sdk = spans or span_exporter(settings)
+        self._sender = sender(settings.protocol, Transport(
+            settings.traces_endpoint, settings.headers, settings.timeout_s, settings.gzip,
+            settings.certificate, settings.client_key, settings.client_certificate))
         self._metrics: _Metrics | None = None
         if settings.metrics:
             agent = Resource({"service.name": "sits-trace",
@@ -236,15 +177,14 @@ class OtlpExporter:
             self.name, self._send, capacity=settings.queue_size, batch_size=settings.batch_size,
             batch_delay_s=settings.batch_delay_s,
             retry=retry or RetryPolicy(deadline_s=settings.retry_deadline_s),
-            interrupt=self._sdk.shutdown, on_batch=self._record)
+            interrupt=self._sender.close, on_batch=self._record)
 
     def _record(self, batch: list[Span]) -> None:
         if self._metrics is not None:
             self._metrics.record(batch, self._resources)
 
     def _send(self, batch: list[Span]) -> bool:
-        readable = [to_readable(s, self._resources.of(s)) for s in batch]
-        return self._sdk.export(readable) == SpanExportResult.SUCCESS
+        return self._sender.send(encode(batch, self._resources.attributes))
 
     def attach_agent(self, stats: AgentStatsFn, samples: Callable[[], Any] | None = None) -> None:
         """`samples` (the agent's node signals) are exported by Prometheus only, for now."""

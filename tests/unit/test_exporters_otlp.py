@@ -316,3 +316,52 @@ def test_slow_collector_never_stalls_the_caller(proc_root: str) -> None:
     finally:
         exp.shutdown()
         r.stop()
+
+
+def test_our_encoder_writes_what_the_sdk_encoder_wrote() -> None:
+    """exporters/_otlp_traces.encode against the SDK path it replaced (a ReadableSpan per
+    span, the SDK's encode_spans; kept in bench/span_cost.py to compare): the same spans,
+    ids, flags, kinds, times, status and attributes, field for field, for server, client,
+    error and parentless spans."""
+    import importlib.util
+
+    from sits_trace.exporters._otlp_traces import encode
+
+    spec = importlib.util.spec_from_file_location(
+        "span_cost", Path(__file__).resolve().parents[2] / "bench" / "span_cost.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sdk = bench.otlp_sdk_encoder()
+    assert sdk is not None
+    spans = [make_span(0), make_span(1, kind="CLIENT", parent="00000000000000ab"),
+             make_span(2, status=503), make_span(3, flag=True, ratio=0.25, n=-7)]
+    ours = encode(spans, lambda s: {"service.name": "nginx"})
+    theirs = sdk.request(spans)
+    a = [s for rs in ours.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    b = [s for rs in theirs.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b, strict=True):
+        assert x == y, (x, y)
+    assert ours.resource_spans[0].scope_spans[0].scope.name == "sits-trace"
+
+
+def test_gzip_and_bad_tls_files_from_the_standard_environment(proc_root: str) -> None:
+    r = HttpReceiver().start()
+    try:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": r.endpoint,
+               "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+               "OTEL_EXPORTER_OTLP_COMPRESSION": "gzip"}
+        s = otlp_settings(ExportConfig(batch_delay_s=0.05, otlp_metrics=False), env)
+        assert s is not None and s.gzip
+        exp = OtlpExporter(s, proc_root=proc_root, hostname="h")
+        exp.export([make_span(i) for i in range(3)])
+        assert r.wait_spans(3)
+        exp.shutdown()
+        assert r.headers[0]["content-encoding"] == "gzip"
+    finally:
+        r.stop()
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_COMPRESSION"):
+        otlp_settings(ExportConfig(), {**env, "OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"})
+    with pytest.raises(ConfigError, match="/nonexistent/ca.pem is not a readable file"):
+        otlp_settings(ExportConfig(), {**env, "OTEL_EXPORTER_OTLP_CERTIFICATE": "/nonexistent/ca.pem"})

@@ -16,16 +16,14 @@ import stat
 from pathlib import Path
 
 import pytest
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.resources import Resource
 from prometheus_client import generate_latest
 from sits_trace.agent.capture.loader import Recorder
 from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role, Span
 from sits_trace.agent.tracing.http1 import HttpConnParser
 from sits_trace.agent.tracing.redact import REDACTED_VALUE, QueryRedactor, strip_userinfo
 from sits_trace.agent.tracing.spans import SpanBuilder
+from sits_trace.exporters._otlp_traces import encode
 from sits_trace.exporters.jsonl import JsonlExporter
-from sits_trace.exporters.otlp import to_readable
 from sits_trace.exporters.prometheus import PrometheusExporter
 
 SECRETS = {
@@ -100,7 +98,7 @@ def test_no_output_carries_a_secret(caplog: pytest.LogCaptureFixture) -> None:
     assert buf.getvalue().count("\n") == 2
     _assert_clean(buf.getvalue(), "JSONL")
     # OTLP: the bytes that go on the wire
-    wire = encode_spans([to_readable(s, Resource.create({})) for s in spans])
+    wire = encode(spans, lambda s: {"service.name": "svc"})
     raw = wire.SerializeToString()
     assert b"REDACTED" in raw
     _assert_clean(raw.decode("latin-1"), "OTLP")
