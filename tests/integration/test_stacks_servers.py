@@ -8,6 +8,7 @@ not marked as an error. wrk and hey add load with many requests per connection.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -140,4 +141,11 @@ def test_hey_load(tracer: Tracer) -> None:
         got = sorted((s["attributes"].get("client.port"), s["attributes"].get("sits.stream.chunks"),
                       s["attributes"].get("http.response.status_code")) for s in spans)
         want = sorted((r["port"], r["events"], 200) for r in rows)
-        assert got == want
+        if got != want:  # what differs, and the agent's counters (lost, shed) to say why
+            wrong = sorted(set(got) ^ set(want))[:6]
+            bad = [s for s in spans if (s["attributes"].get("client.port"),
+                                        s["attributes"].get("sits.stream.chunks"), 200)
+                   not in set(want)][:2]
+            raise AssertionError(f"spans vs server log differ at {wrong}; spans: "
+                                 f"{json.dumps(bad)}; agent counters "
+                                 f"{json.dumps(tracer.counters())}")
