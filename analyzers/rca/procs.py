@@ -15,6 +15,7 @@ its main thread, parked in accept(), showed a fifth of the wait).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 _TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 _PAGE_MB = (os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096) / 2**20
 ProcStat = tuple[str, float, float, float, float, int, float]
@@ -154,6 +156,7 @@ class ProcSampler:
         self._clock = clock_ns or time.time_ns
         self._watch = watch  # processes whose whole run-queue wait is read (taskstats)
         self._waits = task_waits
+        self._warned = False
 
     def snapshot(self) -> ProcSnapshot:
         snap = ProcSnapshot(self._clock())
@@ -163,6 +166,10 @@ class ProcSampler:
             v = self._waits.wait_s(pid)
             if v is not None:
                 snap.task_wait[pid] = v
+            elif self._waits.failed is not None and not self._warned:
+                self._warned = True
+                log.warning("rca: taskstats unavailable (%s): a local dependency's wait for a "
+                            "CPU is its main thread's only", self._waits.failed)
         try:
             names = os.listdir(self.root)
         except OSError:

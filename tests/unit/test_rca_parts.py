@@ -215,3 +215,20 @@ def test_unknown_cannot_lead_a_cause_that_explains_more_than_is_left() -> None:
     assert max(out, key=lambda c: out[c]) == C.UNKNOWN
     d = Decomposition("ttft_ms", 9.0, 137.0, {})
     assert rank.consistent(d, scores) == scores
+
+
+def test_taskstats_failure_is_one_line_and_loses_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """Without taskstats (no CAP_NET_ADMIN, no netlink) the sampler says so once and keeps
+    sampling /proc; the watched processes simply have no whole-process wait."""
+    from sits_trace.analyzers.rca.procs import TaskWaits
+
+    class Refused(TaskWaits):
+        def _open(self) -> object:
+            raise PermissionError(1, "Operation not permitted")
+
+    sampler = ProcSampler(watch=lambda: {os.getpid()}, task_waits=Refused())
+    with caplog.at_level("WARNING"):
+        snaps = [sampler.snapshot() for _ in range(3)]
+    lines = [r.getMessage() for r in caplog.records if "taskstats" in r.getMessage()]
+    assert len(lines) == 1 and "Operation not permitted" in lines[0], lines
+    assert all(os.getpid() in s.procs and not s.task_wait for s in snaps)
