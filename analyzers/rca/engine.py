@@ -95,6 +95,14 @@ class RcaEngine:
         run-queue wait, so a verdict can tell a starved callee from a slow one."""
         return set().union(*(p for _, p in self._callees.values())) if self._callees else set()
 
+    def _callee_pids(self, peer: str) -> set[int]:
+        """A callee's processes: the lookup of its windows (at most 30 s old), else a new one."""
+        seen = self._callees.get(peer)
+        if seen is not None:
+            return set(seen[1])
+        assert self._peer_pids is not None
+        return self._peer_pids(peer)
+
     def _look_up_callees(self, peers: pd.Series, now: int) -> None:
         if self._peer_pids is None or not len(peers):
             return
@@ -195,7 +203,8 @@ class RcaEngine:
                            *self._frames(t0, t1, b0, b1))
         if self._exclude is not None:
             ctx.exclude_pids = self._exclude
-        ctx.peer_pids, ctx.win_s = self._peer_pids, (t1 - t0) / 1e9
+        ctx.peer_pids = self._callee_pids if self._peer_pids is not None else None
+        ctx.win_s = (t1 - t0) / 1e9
         rank.starved_dependency(d, ctx)
         f = rank.features(d, ctx)
         rules = rank.heuristic(d, f)
