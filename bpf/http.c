@@ -298,6 +298,24 @@ static __always_inline int tls_record_at(__u64 buf, __u32 iovcnt)
     return h[0] >= 20 && h[0] <= 23 && h[1] == 3 && h[2] <= 4;
 }
 
+/* a read that may be ciphertext for a memory BIO: remember its first bytes (tls.c). No
+ * branch here changes what io_exit goes on to check (not even the read's length: a
+ * shorter read's key holds stale bytes no BIO_write of 16 or more can match), so the
+ * verifier walks the rest of io_exit once, not once per outcome */
+static __always_inline void note_read_prefix(struct conn_state *st, __u64 conn, __u64 buf,
+                                             __u32 iovcnt)
+{
+    __u64 p = buf;
+    if (iovcnt)
+        bpf_probe_read_user(&p, sizeof(p), (void *)buf); /* iov[0].iov_base */
+    struct read_prefix k = {};
+    bpf_probe_read_user(&k, sizeof(k), (void *)p);
+    __u8 t0 = k.a & 0xff, v0 = (k.a >> 8) & 0xff;
+    /* a TLS record header, or any read of a connection tied to an SSL*; not a request line */
+    if (st->tls || (t0 >= 20 && t0 <= 23 && v0 == 3))
+        read_prefixes.update(&k, &conn);
+}
+
 /* Memory BIO without BIO_write (node's TLSWrap reads ciphertext straight into its BIO):
  * the ciphertext an SSL call produced (the handshake's reply, then every response) is
  * written out by the same thread right after the call returned, on the SSL*'s own socket.
@@ -347,6 +365,7 @@ static __always_inline int io_exit(long ret)
     if (a.direction == 0) {
         t->last_read_conn = a.conn;
         t->last_read_len = (__u32)ret;
+        note_read_prefix(st, a.conn, a.buf, a.iovcnt);
     } else if (t->ssl.ssl && !st->tls && tls_record_at(a.buf, a.iovcnt)) {
         tie_written_ssl(t, st, a.conn);
     }

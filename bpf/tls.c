@@ -4,18 +4,21 @@
  * An SSL* is tied to its connection in one of two ways:
  *  - socket BIO (nginx, curl, CPython's blocking ssl): the read/write syscall
  *    made inside the SSL call names the fd (http.c records SSL* -> conn);
- *  - memory BIO (asyncio, uvloop): no syscall inside the call. The bytes name the
- *    fd: SSL_set_bio(ssl, rbio, wbio) gives rbio -> SSL*, and the event loop feeds
- *    the ciphertext a socket read returned into rbio with BIO_write right after that
- *    read, on the same thread, before any other read. So BIO_write(rbio, buf, n) with
- *    n equal to the thread's last read ties SSL* to that read's connection. The tie
- *    cannot race another client's handshake, as the thread's history at SSL_read
- *    time can (uvloop defers the first SSL_read after the handshake), and a tie to
- *    a live connection that holds the SSL* is kept (two streams of one client get
- *    records of one size). For an SSL* made before the agent attached, or one no
- *    BIO_write named yet (node's own BIO), the thread's last read is the fallback.
+ *  - memory BIO (asyncio, anyio, uvloop): no syscall inside the call. The bytes name
+ *    the fd: SSL_set_bio(ssl, rbio, wbio) gives rbio -> SSL*, and the event loop feeds
+ *    the ciphertext a socket read returned into rbio with BIO_write. http.c keeps the
+ *    first 16 bytes of each such read -> its connection (read_prefixes); BIO_write(rbio,
+ *    buf, n) whose first 16 bytes are one of those ties SSL* to that connection. Order
+ *    does not matter: anyio queues the reads of several sockets before it writes them
+ *    to their BIOs, uvloop defers the first SSL_read after the handshake. A BIO_write
+ *    that starts inside a record (a read that split one) falls back to length: n equal
+ *    to the thread's last read, kept from overriding a live connection that holds the
+ *    SSL* (two streams of one client get records of one size). For an SSL* made before
+ *    the agent attached, or one no BIO_write named yet (node's own BIO), the thread's
+ *    last read is the last resort.
  * Either way the connection is marked TLS and its ciphertext is no longer
- * emitted. Costs a task-storage write per SSL call plus one EV_DATA record.
+ * emitted. Costs a task-storage write per SSL call plus one EV_DATA record, and a
+ * 16-byte read and an LRU update per ciphertext read.
  * Shares sockio.h with http.c (per-thread state, SSL* -> connection).
  */
 #include "events.h"
@@ -51,6 +54,18 @@ static __always_inline int set_bio(struct pt_regs *ctx)
         return 0;
     __u64 ssl = PT_REGS_PARM1(ctx);
     __u64 rbio = PT_REGS_PARM2(ctx);
+    /* SSL_set_bio starts an SSL*'s life. The allocator hands a freed SSL*'s address to
+     * the next SSL_new while the old one's socket may still be open (asyncio frees the
+     * object before the transport closes): a tie left from that life would make the
+     * BIO_write below refuse the new connection and send its records to the old one */
+    __u64 *prev = ssl_conns.lookup(&ssl);
+    if (prev) {
+        __u64 pk = *prev;
+        struct conn_state *old = conns.lookup(&pk);
+        if (old && old->ssl == ssl)
+            old->ssl = 0;
+        ssl_conns.delete(&ssl);
+    }
     if (rbio)
         bio_ssl.update(&rbio, &ssl);
     return 0;
@@ -65,11 +80,30 @@ static __always_inline int bio_write(struct pt_regs *ctx)
     __u64 *ssl = bio_ssl.lookup(&bio);
     if (!ssl)
         return 0; /* not a read BIO the agent saw attached (socket BIOs end here) */
+    __u64 s = *ssl;
+    __u32 len = (__u32)PT_REGS_PARM3(ctx);
+    if (len >= sizeof(struct read_prefix)) {
+        struct read_prefix rp = {};
+        if (!bpf_probe_read_user(&rp, sizeof(rp), (void *)PT_REGS_PARM2(ctx))) {
+            __u64 *src = read_prefixes.lookup(&rp);
+            if (src) {
+                /* these bytes came from that socket: a name, whatever the tie said */
+                __u64 k = *src;
+                read_prefixes.delete(&rp);
+                struct conn_state *st = conns.lookup(&k);
+                if (!st)
+                    return 0;
+                ssl_conns.update(&s, &k);
+                st->tls = 1;
+                st->ssl = s;
+                return 0;
+            }
+        }
+    }
     struct thread_io *t = thread_state(id, 0);
-    if (!t || !t->last_read_conn || t->last_read_len != (__u32)PT_REGS_PARM3(ctx))
+    if (!t || !t->last_read_conn || t->last_read_len != len)
         return 0;
     __u64 k = t->last_read_conn;
-    __u64 s = *ssl;
     /* a length is not a name: two streams of one client get records of one size. An SSL*
      * already tied to a live connection that holds it keeps its tie (a tie is made at the
      * handshake's first record, and undone when its connection closes) */
