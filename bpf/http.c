@@ -298,22 +298,17 @@ static __always_inline int tls_record_at(__u64 buf, __u32 iovcnt)
     return h[0] >= 20 && h[0] <= 23 && h[1] == 3 && h[2] <= 4;
 }
 
-/* a read that may be ciphertext for a memory BIO: remember its first bytes (tls.c). No
- * branch here changes what io_exit goes on to check (not even the read's length: a
- * shorter read's key holds stale bytes no BIO_write of 16 or more can match), so the
- * verifier walks the rest of io_exit once, not once per outcome */
-static __always_inline void note_read_prefix(struct conn_state *st, __u64 conn, __u64 buf,
-                                             __u32 iovcnt)
+/* A read of a TLS connection tied to a memory BIO: remember its first bytes for tls.c.
+ * (Handshake reads, before the tie, are noted from the copy made for user space below:
+ * plaintext reads pay no extra read of user memory.) */
+static __always_inline void note_read_prefix(__u64 conn, __u64 buf, __u32 iovcnt)
 {
     __u64 p = buf;
     if (iovcnt)
         bpf_probe_read_user(&p, sizeof(p), (void *)buf); /* iov[0].iov_base */
     struct read_prefix k = {};
     bpf_probe_read_user(&k, sizeof(k), (void *)p);
-    __u8 t0 = k.a & 0xff, v0 = (k.a >> 8) & 0xff;
-    /* a TLS record header, or any read of a connection tied to an SSL*; not a request line */
-    if (st->tls || (t0 >= 20 && t0 <= 23 && v0 == 3))
-        read_prefixes.update(&k, &conn);
+    read_prefixes.update(&k, &conn);
 }
 
 /* Memory BIO without BIO_write (node's TLSWrap reads ciphertext straight into its BIO):
@@ -365,12 +360,16 @@ static __always_inline int io_exit(long ret)
     if (a.direction == 0) {
         t->last_read_conn = a.conn;
         t->last_read_len = (__u32)ret;
-        note_read_prefix(st, a.conn, a.buf, a.iovcnt);
     } else if (t->ssl.ssl && !st->tls && tls_record_at(a.buf, a.iovcnt)) {
         tie_written_ssl(t, st, a.conn);
     }
-    if (st->tls)
-        return 0; /* a memory-BIO TLS connection: tls.c emits the plaintext */
+    if (st->tls) {
+        /* a memory-BIO TLS connection: tls.c emits the plaintext. A read shorter than 16
+         * bytes keys stale bytes, which no BIO_write of 16 or more can match */
+        if (a.direction == 0)
+            note_read_prefix(a.conn, a.buf, a.iovcnt);
+        return 0;
+    }
     int first = st->last_dir != a.direction + 1;
     if (a.direction == 0)
         stream_end(a.conn, st, STREAM_END_NEXT);
@@ -407,6 +406,14 @@ static __always_inline int io_exit(long ret)
             return 0;
         bpf_probe_read_user(ev->payload, n, (void *)a.buf);
         captured = n;
+    }
+    if (a.direction == 0 && ev->payload[0] >= 20 && ev->payload[0] <= 23 &&
+        ev->payload[1] == 3) {
+        /* a TLS record on a connection not tied yet (a handshake): for tls.c's BIO_write.
+         * Past a short read the bytes are stale, as above */
+        struct read_prefix k = {};
+        __builtin_memcpy(&k, ev->payload, sizeof(k));
+        read_prefixes.update(&k, &a.conn);
     }
     if (emit_data(ev, captured) < 0)
         st->lost = 1; /* the next record of the connection carries DATA_LOST */
