@@ -298,17 +298,34 @@ static __always_inline int tls_record_at(__u64 buf, __u32 iovcnt)
     return h[0] >= 20 && h[0] <= 23 && h[1] == 3 && h[2] <= 4;
 }
 
-/* A read of a TLS connection tied to a memory BIO: remember its first bytes for tls.c.
- * (Handshake reads, before the tie, are noted from the copy made for user space below:
- * plaintext reads pay no extra read of user memory.) */
+/* the first 16 bytes of a TLS read -> its connection, for tls.c's BIO_write. Only reads
+ * of 16 bytes or more: past a shorter read the buffer holds stale bytes, and OpenSSL's
+ * 5-byte header reads land in memory another thread's read just left (two ServerHellos
+ * of one server share their first 5 bytes: a key of one connection's record header and
+ * the other's stale bytes took the other's tie). Bytes two connections share (a
+ * HelloRetryRequest's fixed random) name neither: the key is dropped. */
+static __always_inline void note_prefix(struct read_prefix *k, __u64 conn)
+{
+    __u64 *have = read_prefixes.lookup(k);
+    if (have) {
+        if (*have != conn)
+            read_prefixes.delete(k);
+        return;
+    }
+    read_prefixes.update(k, &conn);
+}
+
+/* a read of a TLS connection tied to a memory BIO (handshake reads, before the tie, are
+ * keyed from the copy made for user space below: plaintext reads pay no extra read) */
 static __always_inline void note_read_prefix(__u64 conn, __u64 buf, __u32 iovcnt)
 {
     __u64 p = buf;
     if (iovcnt)
         bpf_probe_read_user(&p, sizeof(p), (void *)buf); /* iov[0].iov_base */
     struct read_prefix k = {};
-    bpf_probe_read_user(&k, sizeof(k), (void *)p);
-    read_prefixes.update(&k, &conn);
+    if (bpf_probe_read_user(&k, sizeof(k), (void *)p))
+        return;
+    note_prefix(&k, conn);
 }
 
 /* Memory BIO without BIO_write (node's TLSWrap reads ciphertext straight into its BIO):
@@ -364,9 +381,8 @@ static __always_inline int io_exit(long ret)
         tie_written_ssl(t, st, a.conn);
     }
     if (st->tls) {
-        /* a memory-BIO TLS connection: tls.c emits the plaintext. A read shorter than 16
-         * bytes keys stale bytes, which no BIO_write of 16 or more can match */
-        if (a.direction == 0)
+        /* a memory-BIO TLS connection: tls.c emits the plaintext */
+        if (a.direction == 0 && ret >= (long)sizeof(struct read_prefix))
             note_read_prefix(a.conn, a.buf, a.iovcnt);
         return 0;
     }
@@ -407,13 +423,12 @@ static __always_inline int io_exit(long ret)
         bpf_probe_read_user(ev->payload, n, (void *)a.buf);
         captured = n;
     }
-    if (a.direction == 0 && ev->payload[0] >= 20 && ev->payload[0] <= 23 &&
-        ev->payload[1] == 3) {
-        /* a TLS record on a connection not tied yet (a handshake): for tls.c's BIO_write.
-         * Past a short read the bytes are stale, as above */
+    if (a.direction == 0 && captured >= sizeof(struct read_prefix) &&
+        ev->payload[0] >= 20 && ev->payload[0] <= 23 && ev->payload[1] == 3) {
+        /* a TLS record on a connection not tied yet (a handshake): for tls.c's BIO_write */
         struct read_prefix k = {};
         __builtin_memcpy(&k, ev->payload, sizeof(k));
-        read_prefixes.update(&k, &a.conn);
+        note_prefix(&k, a.conn);
     }
     if (emit_data(ev, captured) < 0)
         st->lost = 1; /* the next record of the connection carries DATA_LOST */

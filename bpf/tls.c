@@ -86,8 +86,9 @@ static __always_inline int bio_write(struct pt_regs *ctx)
         struct read_prefix rp = {};
         if (!bpf_probe_read_user(&rp, sizeof(rp), (void *)PT_REGS_PARM2(ctx))) {
             __u64 *src = read_prefixes.lookup(&rp);
-            if (src) {
-                /* these bytes came from that socket: a name, whatever the tie said */
+            if (src && (*src >> 32) == (id >> 32)) {
+                /* these bytes came from that socket of this process: a name, whatever the
+                 * tie said */
                 __u64 k = *src;
                 read_prefixes.delete(&rp);
                 struct conn_state *st = conns.lookup(&k);
