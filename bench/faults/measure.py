@@ -66,10 +66,13 @@ def _echo_server(topo: Topology) -> tuple[socket.socket, int]:
     srv.listen(1)
 
     def serve() -> None:
-        conn, _ = srv.accept()
-        with conn:
-            while data := conn.recv(64):
-                conn.sendall(data)
+        try:
+            conn, _ = srv.accept()
+            with conn:
+                while data := conn.recv(64):
+                    conn.sendall(data)
+        except OSError:
+            return  # the topology was torn down under it: the measurement is over
 
     threading.Thread(target=serve, daemon=True).start()
     return srv, int(srv.getsockname()[1])
