@@ -80,8 +80,9 @@ static __always_inline struct thread_io *thread_state(__u64 id, int create)
 #endif
 /* SSL* -> conn key (tls.c learns it; http.c records it from syscalls inside SSL calls) */
 BPF_HASH(ssl_conns, __u64, __u64, SITS_MAX_CONNS);
-/* Memory-BIO TLS (tls.c): the first 16 bytes of a socket read that began with a TLS record
- * header (or was on a TLS connection) -> the connection it came from. The event loop later
+/* Memory-BIO TLS (tls.c): the first 16 bytes of a socket read of 16 bytes or more that
+ * began with a TLS record header (or was on a TLS connection) -> the connection it came
+ * from. The event loop later
  * feeds those same bytes to the SSL*'s read BIO with BIO_write, perhaps after reading other
  * sockets (anyio queues reads; uvloop defers): the bytes, not the order, name the socket.
  * LRU: a read no BIO_write claims ages out. */

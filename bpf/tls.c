@@ -17,8 +17,8 @@
  *    the agent attached, or one no BIO_write named yet (node's own BIO), the thread's
  *    last read is the last resort.
  * Either way the connection is marked TLS and its ciphertext is no longer
- * emitted. Costs a task-storage write per SSL call plus one EV_DATA record, and a
- * 16-byte read and an LRU update per ciphertext read.
+ * emitted. Costs a task-storage write per SSL call plus one EV_DATA record, and per
+ * ciphertext read of 16 bytes or more a 16-byte read, an LRU lookup and an update.
  * Shares sockio.h with http.c (per-thread state, SSL* -> connection).
  */
 #include "events.h"
