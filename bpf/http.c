@@ -222,10 +222,10 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
     if (st->ssl) {
         /* only a tie to this connection: its SSL may have been freed before the socket
          * closed, and the address already tied to a new connection */
-        __u64 ssl = st->ssl;
-        __u64 *tied = ssl_conns.lookup(&ssl);
+        struct ssl_key sk = ssl_key_of(tgid, st->ssl);
+        __u64 *tied = ssl_conns.lookup(&sk);
         if (tied && *tied == key)
-            ssl_conns.delete(&ssl);
+            ssl_conns.delete(&sk);
     }
     stream_end(key, st, STREAM_END_CLOSE);
     emit_conn(EV_CONN_CLOSE, tgid, args->fd, st, 0, -1);
@@ -340,9 +340,10 @@ static __always_inline void tie_written_ssl(struct thread_io *t, struct conn_sta
      * SSL_read that wanted more, of another client) says nothing of whose reply this is */
     if (t->ssl.direction != 1)
         return;
-    if (ssl_conns.lookup(&s))
+    struct ssl_key sk = ssl_key_of(conn >> 32, s);
+    if (ssl_conns.lookup(&sk))
         return;
-    ssl_conns.update(&s, &conn);
+    ssl_conns.update(&sk, &conn);
     st->ssl = s;
     st->tls = 1;
 }
@@ -369,7 +370,8 @@ static __always_inline int io_exit(long ret)
     if (t->ssl_active) {
         /* ciphertext under SSL_read/SSL_write: learn SSL* -> conn, emit nothing */
         __u64 s = t->ssl.ssl;
-        ssl_conns.update(&s, &a.conn);
+        struct ssl_key sk = ssl_key_of(id >> 32, s);
+        ssl_conns.update(&sk, &a.conn);
         st->ssl = s;
         st->tls = 1;
         return 0;

@@ -78,8 +78,23 @@ static __always_inline struct thread_io *thread_state(__u64 id, int create)
     return thread_io.lookup(&id);
 }
 #endif
+/* An SSL* or BIO* address in one process. Workers forked from one master (gunicorn) make
+ * the same allocations: one address is a live SSL* in two workers at once, and an address
+ * alone handed one worker's connection the other's plaintext. */
+struct ssl_key {
+    __u64 ptr;
+    __u32 tgid;
+    __u32 pad;
+};
+static __always_inline struct ssl_key ssl_key_of(__u32 tgid, __u64 ptr)
+{
+    struct ssl_key k = {};
+    k.ptr = ptr;
+    k.tgid = tgid;
+    return k;
+}
 /* SSL* -> conn key (tls.c learns it; http.c records it from syscalls inside SSL calls) */
-BPF_HASH(ssl_conns, __u64, __u64, SITS_MAX_CONNS);
+BPF_HASH(ssl_conns, struct ssl_key, __u64, SITS_MAX_CONNS);
 /* Memory-BIO TLS (tls.c): the first 16 bytes of a socket read of 16 bytes or more that
  * began with a TLS record header (or was on a TLS connection) -> the connection it came
  * from. The event loop later

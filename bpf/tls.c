@@ -16,6 +16,8 @@
  *    SSL* (two streams of one client get records of one size). For an SSL* made before
  *    the agent attached, or one no BIO_write named yet (node's own BIO), the thread's
  *    last read is the last resort.
+ * SSL* and BIO* are keyed with their process (struct ssl_key): forked workers share
+ * addresses.
  * Either way the connection is marked TLS and its ciphertext is no longer
  * emitted. Costs a task-storage write per SSL call plus one EV_DATA record, and per
  * ciphertext read of 16 bytes or more a 16-byte read, an LRU lookup and an update.
@@ -45,7 +47,7 @@ static __always_inline int ssl_enter(struct pt_regs *ctx, __u8 dir, int ex)
 }
 
 /* memory BIO (read side) -> the SSL* it feeds; LRU: BIO_free is not traced */
-BPF_TABLE("lru_hash", __u64, __u64, bio_ssl, SITS_MAX_CONNS);
+BPF_TABLE("lru_hash", struct ssl_key, __u64, bio_ssl, SITS_MAX_CONNS);
 
 static __always_inline int set_bio(struct pt_regs *ctx)
 {
@@ -54,20 +56,30 @@ static __always_inline int set_bio(struct pt_regs *ctx)
         return 0;
     __u64 ssl = PT_REGS_PARM1(ctx);
     __u64 rbio = PT_REGS_PARM2(ctx);
+    struct ssl_key sk = ssl_key_of(id >> 32, ssl);
     /* SSL_set_bio starts an SSL*'s life. The allocator hands a freed SSL*'s address to
      * the next SSL_new while the old one's socket may still be open (asyncio frees the
      * object before the transport closes): a tie left from that life would make the
      * BIO_write below refuse the new connection and send its records to the old one */
-    __u64 *prev = ssl_conns.lookup(&ssl);
+    __u64 *prev = ssl_conns.lookup(&sk);
     if (prev) {
         __u64 pk = *prev;
         struct conn_state *old = conns.lookup(&pk);
         if (old && old->ssl == ssl)
             old->ssl = 0;
-        ssl_conns.delete(&ssl);
+        ssl_conns.delete(&sk);
     }
-    if (rbio)
-        bio_ssl.update(&rbio, &ssl);
+    /* BIO_free is not traced: a freed read BIO's address comes back as another SSL's write
+     * BIO, into which the handshake writes its replies, or as a socket BIO (SSL_set_fd: one
+     * BIO both ways, whose BIO_write is this SSL's own output). Only a read BIO of its own
+     * is fed from outside. */
+    __u64 wbio = PT_REGS_PARM3(ctx);
+    struct ssl_key wk = ssl_key_of(id >> 32, wbio);
+    bio_ssl.delete(&wk);
+    if (rbio && rbio != wbio) {
+        struct ssl_key bk = ssl_key_of(id >> 32, rbio);
+        bio_ssl.update(&bk, &ssl);
+    }
     return 0;
 }
 
@@ -76,10 +88,11 @@ static __always_inline int bio_write(struct pt_regs *ctx)
     __u64 id = bpf_get_current_pid_tgid();
     if (!traced_tgid(id >> 32))
         return 0;
-    __u64 bio = PT_REGS_PARM1(ctx);
-    __u64 *ssl = bio_ssl.lookup(&bio);
+    struct ssl_key bk = ssl_key_of(id >> 32, PT_REGS_PARM1(ctx));
+    __u64 *ssl = bio_ssl.lookup(&bk);
     if (!ssl)
         return 0; /* not a read BIO the agent saw attached (socket BIOs end here) */
+    struct ssl_key sk = ssl_key_of(id >> 32, *ssl);
     __u64 s = *ssl;
     __u32 len = (__u32)PT_REGS_PARM3(ctx);
     if (len >= sizeof(struct read_prefix)) {
@@ -94,7 +107,7 @@ static __always_inline int bio_write(struct pt_regs *ctx)
                 struct conn_state *st = conns.lookup(&k);
                 if (!st)
                     return 0;
-                ssl_conns.update(&s, &k);
+                ssl_conns.update(&sk, &k);
                 st->tls = 1;
                 st->ssl = s;
                 return 0;
@@ -108,7 +121,7 @@ static __always_inline int bio_write(struct pt_regs *ctx)
     /* a length is not a name: two streams of one client get records of one size. An SSL*
      * already tied to a live connection that holds it keeps its tie (a tie is made at the
      * handshake's first record, and undone when its connection closes) */
-    __u64 *cur = ssl_conns.lookup(&s);
+    __u64 *cur = ssl_conns.lookup(&sk);
     if (cur && *cur != k) {
         __u64 ck = *cur;
         struct conn_state *owner = conns.lookup(&ck);
@@ -118,7 +131,7 @@ static __always_inline int bio_write(struct pt_regs *ctx)
     struct conn_state *st = conns.lookup(&k);
     if (!st)
         return 0;
-    ssl_conns.update(&s, &k);
+    ssl_conns.update(&sk, &k);
     st->tls = 1;
     st->ssl = s;
     return 0;
@@ -129,14 +142,15 @@ static __always_inline struct conn_state *ssl_conn(struct thread_io *t, __u64 ss
                                                   __u64 *key_out)
 {
     __u64 k = 0;
-    __u64 *key = ssl_conns.lookup(&ssl);
+    struct ssl_key sk = ssl_key_of(bpf_get_current_pid_tgid() >> 32, ssl);
+    __u64 *key = ssl_conns.lookup(&sk);
     if (key) {
         k = *key;
     } else {
         k = t->last_read_conn;
         if (!k)
             return 0;
-        ssl_conns.update(&ssl, &k);
+        ssl_conns.update(&sk, &k);
     }
     struct conn_state *st = conns.lookup(&k);
     if (!st)
