@@ -276,3 +276,117 @@ def start_memory_competitor(intensity: float = 0.25, duration_s: float = 60.0,
     comp = Competitor("host_memory_pressure", p, "stress-ng", "host", {"bytes": size})
     _wait_children(p.pid, proc_root)
     return comp
+
+
+# -- memory, inside the victim's memory cgroup --------------------------------------------
+#
+# A node with free memory and no swap does not slow a server down when another process
+# takes memory: nothing of the server's is reclaimed. What does slow it is the limit of the
+# memory cgroup it runs in (a pod's, a container's) being reached: the kernel then reclaims
+# the cgroup's page cache first, and a server whose working set is file-backed (mmap'd model
+# weights, as llama.cpp and safetensors loaders do) faults it back in, stalling on the disk.
+# `MemoryCgroup` is that cgroup; `start_memory_squeeze` starts a competitor inside it that
+# holds memory (stress-ng --vm, written once, then kept) and lowers the limit so that the
+# competitor fits only by pushing `squeeze_bytes` of the cgroup's page cache out.
+
+
+def memory_hierarchy(proc_root: Path = Path("/proc")) -> tuple[Path, Literal[1, 2]] | None:
+    """Mount point of the hierarchy that has the memory controller, and its version."""
+    for line in (proc_root / "self" / "mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        fstype, _src, opts = (post.split() + ["", "", ""])[:3]
+        mnt = Path(pre.split()[4])
+        if fstype == "cgroup" and "memory" in opts.split(","):
+            return mnt, 1
+        if fstype == "cgroup2" and "memory" in _read(mnt / "cgroup.controllers").split():
+            return mnt, 2
+    return None
+
+
+def memory_cgroup_of(pid: int | str, version: int, proc_root: Path = Path("/proc")) -> str:
+    for line in (proc_root / str(pid) / "cgroup").read_text().splitlines():
+        hid, ctrls, path = line.split(":", 2)
+        if (version == 2 and hid == "0") or (version == 1 and "memory" in ctrls.split(",")):
+            return path
+    return "/"
+
+
+class MemoryCgroup:
+    """A fresh memory cgroup beside this process's own (so under any limit it has), no limit
+    until `limit` is called. Start the victim in it with `preexec_fn=cg.join` (its page cache
+    is charged to the cgroup that first faults it in)."""
+
+    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+        hier = memory_hierarchy(proc_root)
+        if hier is None:
+            raise CompetitorError("no cgroup hierarchy with the memory controller is mounted")
+        mnt, self.version = hier
+        parent = mnt / memory_cgroup_of("self", self.version, proc_root).lstrip("/")
+        self.path = parent / f"sits-mem-{os.getpid()}-{secrets.token_hex(3)}"
+        try:
+            self.path.mkdir()
+        except OSError as e:
+            raise CompetitorError(f"cannot create a memory cgroup under {parent}: {e}") from e
+        self._limit_file = self.path / ("memory.max" if self.version == 2
+                                        else "memory.limit_in_bytes")
+        self._usage_file = self.path / ("memory.current" if self.version == 2
+                                        else "memory.usage_in_bytes")
+
+    def join(self) -> None:
+        """preexec_fn: the child (and what it forks) starts in this cgroup."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def usage(self) -> int:
+        return int(self._usage_file.read_text())
+
+    def limit(self, nbytes: int | None) -> None:
+        """Set the limit (None: lift it)."""
+        if nbytes is None:
+            self._limit_file.write_text("max" if self.version == 2 else "-1")
+        else:
+            self._limit_file.write_text(str(int(nbytes)))
+
+    def remove(self) -> None:
+        """Lift the limit, move what is left to the parent, remove the cgroup."""
+        if not self.path.exists():
+            return
+        self.limit(None)
+        for pid in _read(self.path / "cgroup.procs").split():
+            _move_back(int(pid), self.path.parent)
+        _rmdir_when_empty(self.path)
+
+
+def start_memory_squeeze(cg: MemoryCgroup, squeeze_bytes: int, hog_bytes: int = 512 << 20,
+                         duration_s: float = 60.0, proc_root: Path = Path("/proc")
+                         ) -> Competitor:
+    """A competitor in `cg` that holds `hog_bytes`; once it does, the cgroup's limit is set
+    `squeeze_bytes` under what the cgroup then holds: the kernel reclaims that much, and with
+    no swap the competitor's memory cannot go, so it is the victim's page cache (which the
+    victim faults back in as it uses it, pushing out the rest). Undone by `stop()`: the
+    competitor killed, then the limit lifted."""
+    if hog_bytes < 64 << 20 or squeeze_bytes <= 0:
+        raise CompetitorError("the squeeze needs hog_bytes >= 64 MiB and squeeze_bytes > 0")
+    before = cg.usage()
+    # --vm-hang 0: the worker writes its memory once, then holds it (a leak, not a CPU hog);
+    # --oomable: a worker the OOM killer takes is not restarted
+    argv = _stress_argv(["--vm", "1", "--vm-bytes", f"{hog_bytes}b", "--vm-hang", "0",
+                         "--vm-keep", "--oomable"], duration_s)
+    p = subprocess.Popen(argv, preexec_fn=cg.join, start_new_session=True,  # noqa: PLW1509 (no threads fork here)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    comp = Competitor("host_memory_pressure", p, "stress-ng", "cgroup",
+                      {"bytes": hog_bytes, "squeeze_bytes": squeeze_bytes,
+                       "cgroup": str(cg.path), "usage_before": before},
+                      [lambda: cg.limit(None)])
+    _wait_children(p.pid, proc_root)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and cg.usage() < before + hog_bytes * 0.95:
+        time.sleep(0.05)
+    limit = cg.usage() - squeeze_bytes
+    try:
+        cg.limit(limit)  # reclaims down to it before it returns
+    except OSError as e:  # EBUSY: not that much to reclaim
+        comp.stop()
+        raise CompetitorError(f"cannot squeeze {squeeze_bytes >> 20} MiB out of the cgroup "
+                              f"({cg.usage() >> 20} MiB): {e}") from e
+    comp.detail["limit"] = limit
+    return comp

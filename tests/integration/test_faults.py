@@ -24,12 +24,14 @@ pyroute2 = pytest.importorskip("pyroute2")
 
 from bench.faults.competitors import (
     CompetitorError,
+    MemoryCgroup,
     children,
     choose_placement,
     memory_bytes,
     schedstat,
     start_cpu_competitor,
     start_memory_competitor,
+    start_memory_squeeze,
 )
 from bench.faults.inject import Fault, FaultError, FaultRunner, check_schedule, parse_fault
 from bench.faults.measure import http_transfer, measure_rtt
@@ -146,6 +148,70 @@ def test_memory_competitor_holds_a_bounded_share() -> None:
         comp.stop()
     assert rss >= want // 2
     assert comp.culprit()["pid"] == comp.pid
+
+
+_PAGER = r"""
+import mmap, resource, sys
+f = open(sys.argv[1], "rb")
+mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+def sweep():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    pages = len(mm) // 4096  # every page, in a scattered order (a model's forward pass)
+    sum(mm[i * 2654435761 % pages * 4096] for i in range(pages))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before
+print(sweep(), flush=True)
+for _ in sys.stdin:
+    print(sweep(), flush=True)
+"""
+
+
+@root
+@needs_stress
+def test_memory_squeeze_pushes_the_victims_page_cache_out(tmp_path: Path) -> None:
+    """A victim whose working set is an mmap'd file, in its own memory cgroup: with room to
+    spare it reads the file from memory; with a competitor in the cgroup under the squeezed
+    limit, part of the file is reclaimed and read from disk again (major faults); afterwards
+    the limit is lifted and the cgroup goes away."""
+    weights = tmp_path / "weights"
+    with weights.open("wb") as f:
+        f.write(os.urandom(32 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    cg = MemoryCgroup()
+    victim = subprocess.Popen([sys.executable, "-c", _PAGER, str(weights)], preexec_fn=cg.join,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert victim.stdin is not None and victim.stdout is not None
+    try:
+        first = int(victim.stdout.readline())  # read from disk: faults
+        victim.stdin.write("\n")
+        victim.stdin.flush()
+        warm = int(victim.stdout.readline())  # all of it in memory now
+        comp = start_memory_squeeze(cg, squeeze_bytes=4 << 20, hog_bytes=96 << 20,
+                                    duration_s=30)
+        limit_file = cg.path / ("memory.max" if cg.version == 2 else "memory.limit_in_bytes")
+        limited = int(limit_file.read_text())
+        deadline, held = time.monotonic() + 5, 0
+        while time.monotonic() < deadline and held < 90 << 20:
+            held = sum(_rss(p) for p in children(comp.pid))
+            time.sleep(0.1)
+        victim.stdin.write("\n")
+        victim.stdin.flush()
+        squeezed = int(victim.stdout.readline())
+        comp.stop()
+        lifted = limit_file.read_text().strip()
+    finally:
+        victim.kill()
+        victim.wait()
+        cg.remove()
+    assert first > 0 and warm == 0, (first, warm)
+    assert held >= 90 << 20  # the competitor holds its memory in the cgroup
+    # 1024 of 8192 pages pushed out; each one read back costs a major fault (reading around
+    # it pushes others out: more than 1024 of them)
+    assert squeezed >= 200, (squeezed, limited, comp.detail)
+    assert lifted in ("max", str(2**63 - 4096)) or int(lifted) > 1 << 60
+    assert not cg.path.exists()
+    assert comp.popen.poll() is not None
 
 
 def _rss(pid: int) -> int:
