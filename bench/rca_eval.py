@@ -125,7 +125,7 @@ def metric_table(rec: Recording, server_pid: int, kind: str = "SERVER") -> pd.Da
             cause = C.SERVER_QUEUEING if pid == server_pid else C.CPU_STARVATION
             procs[f"{cause}|cpu_{d.comm.get(pid, '')}_{pid}"][sec] = cores
         for k, v in d.psi.items():
-            cause = C.HOST_MEMORY_PRESSURE if k.startswith("memory") else C.CPU_STARVATION
+            cause = C.CPU_STARVATION if k.startswith("cpu") else C.HOST_MEMORY_PRESSURE
             procs[f"{cause}|psi_{k}"][sec] = v
         for pid, mb in d.rss_mb.items():
             if pid != agent:

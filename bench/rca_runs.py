@@ -10,8 +10,11 @@ agent recording (`sits-trace record`), and faults injected one after another wit
 Faults (each a labelled episode): cpu_starvation (stress-ng --cpu N in the server's session,
 so autogroup scheduling makes it compete), server_queueing (arrival rate x3..x4),
 request_mix_shift (long prompts and outputs from the trace's upper quartile),
-slow_dependency (the dependency answers 25..60 ms later). Network delay and loss need the
-TUN relay of bench/faults and are not produced here.
+slow_dependency (the dependency answers 25..60 ms later). `--net`: network_delay and
+network_loss through bench/faults' TUN relay (the load in a client netns). `--mem`:
+host_memory_pressure, the server reading its per-token work from 256 MiB of mmap'd
+"weights" in a memory cgroup of its own, squeezed by a competitor in that cgroup (with a
+cpu_starvation episode as the contrast).
 
 Request sizes: Azure LLM inference trace 2023 (conversation), Microsoft Azure, CC-BY 4.0
 ("Splitwise", ISCA 2024), tokens scaled down (prompt / 16, output / 8) for a 2-core VM.
@@ -61,9 +64,32 @@ SLOTS = 3  # requests served at once; the rest wait (dynamic batching stand-in)
 _BUF = b"x" * 4096
 
 
+_WEIGHTS: list[Any] = []  # serve --weights: the mmap'd "model", read page by page
+_step = [0]
+
+
 def _burn(n: int) -> None:
+    if _WEIGHTS:  # the same work, on pages spread over the whole file (a forward pass)
+        mm, pages = _WEIGHTS[0], len(_WEIGHTS[0]) // 4096
+        for _ in range(n):
+            _step[0] += 1
+            off = (_step[0] * 2654435761 % pages) * 4096
+            hashlib.sha256(mm[off:off + 4096]).digest()
+        return
     for _ in range(n):
         hashlib.sha256(_BUF).digest()
+
+
+def make_weights(path: Path, nbytes: int) -> Path:
+    """A file of random "weights", written to disk and dropped from the page cache, so that
+    the server's own faults bring it in (and charge it to the server's memory cgroup)."""
+    with path.open("wb") as f:
+        for _ in range(nbytes // (1 << 20)):
+            f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return path
 
 
 # ---- the server ----
@@ -73,7 +99,14 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
-def serve(port: int, dep_port: int, host: str = "127.0.0.1") -> None:
+def serve(port: int, dep_port: int, host: str = "127.0.0.1", weights: Path | None = None
+          ) -> None:
+    if weights is not None:
+        import mmap
+
+        with weights.open("rb") as f:
+            _WEIGHTS.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+        _burn(len(_WEIGHTS[0]) // 4096 * 2)  # loaded: every page read once (or nearly)
     slots = threading.BoundedSemaphore(SLOTS)
     local = threading.local()
 
@@ -392,6 +425,88 @@ def run_net(seed: int, out_dir: Path, baseline_s: float, fault_s: float, gap_s: 
     return rec
 
 
+MEM_FAULTS = ("host_memory_pressure", "host_memory_pressure", "cpu_starvation")
+MEM_SQUEEZE = (0.03, 0.06, 0.1)  # of the weights' page cache, pushed out by the competitor
+WEIGHTS_MB = 256
+
+
+def run_mem(seed: int, out_dir: Path, baseline_s: float, fault_s: float, gap_s: float,
+            rate: float, sits: str) -> Path:
+    """host_memory_pressure: the server reads its per-token work from mmap'd "weights" and
+    runs in a memory cgroup of its own (a pod's limit); a competitor started in that cgroup
+    holds 512 MiB under a limit that makes room only by reclaiming part of the weights' page
+    cache (bench/faults/competitors.py, start_memory_squeeze). A cpu_starvation episode in
+    the same run is the contrast (a verdict that always says memory is wrong there)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.faults.competitors import MemoryCgroup, start_memory_squeeze
+
+    rng = random.Random(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rec = out_dir / f"mem-{seed}.jsonl.gz"
+    control = out_dir / f".control-mem-{seed}.json"
+    control.write_text(json.dumps({"rate_mult": 1.0, "mix": "normal"}))
+    weights = make_weights(out_dir / f".weights-{seed}.bin", WEIGHTS_MB << 20)
+    order = list(MEM_FAULTS)
+    rng.shuffle(order)
+    squeezes = rng.sample(MEM_SQUEEZE, 2)
+    total = baseline_s + len(order) * (fault_s + gap_s) + 5
+    port, dep_port = _free_port(), _free_port()
+    me = [sys.executable, str(Path(__file__).resolve())]
+    cg = MemoryCgroup()
+    procs: list[subprocess.Popen[bytes]] = []
+    labels: list[dict[str, Any]] = []
+    try:
+        procs.append(subprocess.Popen([*me, "dep", "--port", str(dep_port)]))
+        procs.append(subprocess.Popen(  # noqa: PLW1509 (this runner has no threads yet)
+            [*me, "serve", "--port", str(port), "--dep-port", str(dep_port),
+             "--weights", str(weights)], preexec_fn=cg.join))
+        _wait_port(dep_port)
+        _wait_port(port, timeout=60)  # it reads the weights in first
+        env = {**os.environ, "SITS_TRACE_CPU_BUDGET": "0"}
+        recorder = subprocess.Popen([sits, "record", "--out", str(rec), "--duration",
+                                     str(total), "-p", str(procs[1].pid)],
+                                    stderr=subprocess.PIPE, text=True, env=env)
+        assert recorder.stderr is not None
+        for line in recorder.stderr:
+            if "recording" in line:
+                break
+        procs.append(subprocess.Popen([*me, "load", "--port", str(port), "--rate", str(rate),
+                                       "--seed", str(seed), "--control", str(control),
+                                       "--trace", str(TRACE)]))
+        time.sleep(baseline_s)
+        for cause in order:
+            if cause == "host_memory_pressure":
+                x = squeezes.pop()
+                comp = start_memory_squeeze(cg, int(x * (WEIGHTS_MB << 20)),
+                                            duration_s=fault_s + 30)
+                t0 = time.time_ns()
+                culprit: dict[str, Any] | None = comp.culprit()
+                time.sleep(fault_s)
+                comp.stop()
+            else:
+                ep = Episode(cause, x := rng.choice(INTENSITY[cause]), control, dep_port)
+                t0 = time.time_ns()
+                culprit = ep.start()
+                time.sleep(fault_s)
+                ep.stop()
+            labels.append({"cause": cause, "culprit": culprit, "start_ns": t0,
+                           "end_ns": time.time_ns(), "intensity": x, "seed": seed,
+                           "server_pid": procs[1].pid})
+            time.sleep(gap_s)
+        recorder.wait(timeout=total + 60)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(5)
+        cg.remove()
+        weights.unlink(missing_ok=True)
+    with gzip.open(rec, "at") as f:
+        for lab in labels:
+            f.write(json.dumps({"type": "label", **lab}) + "\n")
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -399,6 +514,8 @@ def main() -> None:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--dep-port", type=int, required=True)
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--weights", type=Path, default=None,
+                   help="a file the server mmaps and reads its per-token work from")
     d = sub.add_parser("dep")
     d.add_argument("--port", type=int, required=True)
     lo = sub.add_parser("load")
@@ -418,13 +535,18 @@ def main() -> None:
     r.add_argument("--sits", default=str(Path(sys.executable).parent / "sits-trace"))
     r.add_argument("--net", action="store_true",
                    help="network faults: the load in a client netns behind bench/faults' relay")
+    r.add_argument("--mem", action="store_true",
+                   help="host_memory_pressure: the server's mmap'd weights squeezed out of "
+                        "its memory cgroup by a competitor in it")
     a = ap.parse_args()
     if a.cmd == "serve":
-        serve(a.port, a.dep_port, a.host)
+        serve(a.port, a.dep_port, a.host, a.weights)
     elif a.cmd == "dep":
         dep(a.port)
     elif a.cmd == "load":
         load(a.port, a.rate, a.seed, a.control, a.trace, a.host)
+    elif a.mem:
+        print(run_mem(a.seed, a.out, a.baseline, a.fault, a.gap, a.rate, a.sits))
     elif a.net:
         print(run_net(a.seed, a.out, a.baseline, a.fault, a.gap, a.rate, a.sits))
     else:
