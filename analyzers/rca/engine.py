@@ -206,6 +206,7 @@ class RcaEngine:
         ctx.peer_pids = self._callee_pids if self._peer_pids is not None else None
         ctx.win_s = (t1 - t0) / 1e9
         rank.starved_dependency(d, ctx)
+        rank.memory_stall(d, ctx)
         f = rank.features(d, ctx)
         rules = rank.heuristic(d, f)
         f.update({k: rules.get(k[2:], 0.0) for k in rank.RULE_FEATURES})

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from . import causes as C
+
 SHIPPED = Path(__file__).with_name("model_v1.json")
 
 
@@ -71,9 +73,16 @@ def _merge(model: LinearModel, heuristic: Mapping[str, float]) -> dict[str, floa
 
 def scores(model: LinearModel | None, f: Mapping[str, float],
            heuristic: Mapping[str, float]) -> dict[str, float]:
+    """The model's probabilities are conditional on the cause being one it was trained on:
+    the rules' shares of the measured causes it was not trained on (host memory, the GPU's)
+    come off the top, and the model splits what is left. Without that a model that never saw
+    a memory fault puts 1.0 on whatever it knows (a memory stall fills the server's slots:
+    `server_queueing`) against the rules' 0.8 for memory. `unknown` (the unexplained rest)
+    is not taken off: it is no measured cause."""
     out = combine(model, heuristic)
     if model is not None:
-        out.update(model.proba(f))
+        known = max(0.0, 1.0 - sum(v for c, v in out.items() if c != C.UNKNOWN))
+        out.update({c: known * v for c, v in model.proba(f).items()})
     return out
 
 

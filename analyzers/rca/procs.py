@@ -181,7 +181,7 @@ class ProcSampler:
                 if parsed is not None:
                     ss = _read(f"{self.root}/{name}/schedstat")
                     snap.procs[int(name)] = (*parsed[:6], parse_schedstat(ss) if ss else 0.0)
-        for res in ("cpu", "memory"):
+        for res in ("cpu", "memory", "io"):
             txt = _read(f"{self.root}/pressure/{res}")
             v = parse_psi(txt) if txt else None
             if v is not None:
@@ -212,6 +212,9 @@ class ProcDelta:
     runq_per_s: dict[int, float] = field(default_factory=dict)  # s waiting for a CPU per s
     # the same, every thread of the process (taskstats), watched processes in both snapshots
     task_wait_per_s: dict[int, float] = field(default_factory=dict)
+    # processes that exited inside the interval: their last RSS (a memory competitor that
+    # left just before the window's last snapshot is still the window's culprit)
+    gone_rss_mb: dict[int, float] = field(default_factory=dict)
 
 
 _NONE: ProcStat = ("", 0.0, 0.0, 0.0, 0.0, 0, 0.0)
@@ -226,14 +229,16 @@ def delta(a: ProcSnapshot, b: ProcSnapshot) -> ProcDelta:
     d = np.maximum(vb - va, 0.0)
     cpu = d[:, 0] / dt
     keys = pids.tolist()
+    gone = {p: v for p, v in a.procs.items() if p not in b.procs}
     return ProcDelta(
         dt, dict(zip(keys, cpu.tolist())), dict(zip(keys, vb[:, 1].tolist())),
         dict(zip(keys, (vb[:, 1] - va[:, 1]).tolist())), dict(zip(keys, (d[:, 2] / dt).tolist())),
-        {p: b.procs[p][0] for p in keys},
+        {p: b.procs[p][0] for p in keys} | {p: v[0] for p, v in gone.items()},
         {k: max(0.0, v - a.psi.get(k, v)) / dt for k, v in b.psi.items()},
         {p: b.procs[p][5] for p in keys},
         {p: max(0.0, b.procs[p][6] - a.procs.get(p, _NONE)[6]) / dt for p in keys},
         task_wait_rates(a, b),
+        {p: v[2] for p, v in gone.items()},
     )
 
 

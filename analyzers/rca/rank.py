@@ -28,7 +28,7 @@ FEATURES: tuple[str, ...] = (
     "frac_mem", "frac_rest", "log_rate", "log_inflight", "log_srtt", "retrans_delta",
     "log_chunks", "log_req_bytes", "competitor_cpu", "victim_cpu_delta", "competitor_rss_gb",
     "psi_cpu_delta", "psi_mem_delta", "victim_majflt_log", "error_delta", "log_excess",
-    "session_competitor_cpu",
+    "session_competitor_cpu", "psi_io_delta",
 )
 # the rules' shares (heuristic()) are features too: the model learns when to trust them
 RULE_FEATURES: tuple[str, ...] = tuple(f"h_{c}" for c in C.VOCABULARY)
@@ -98,15 +98,25 @@ def _rss_culprit(ctx: Context) -> tuple[Culprit | None, float, list[Evidence]]:
     pw, pb = ctx.proc_win, ctx.proc_base
     if pw is None:
         return None, 0.0, []
-    base = pb.rss_mb if pb is not None else {}
     skip = ctx.victim_pids | ctx.exclude_pids
-    best = max(((p, r - base.get(p, r - pw.rss_growth_mb.get(p, 0.0))) for p, r in
-                pw.rss_mb.items() if p not in skip), key=lambda x: x[1], default=None)
+
+    def grown(p: int, r: float) -> float:
+        """Since the baseline began: a process born since then grew by all it holds (a
+        competitor that took its memory before the judged window opened still counts)."""
+        if pb is None:
+            return pw.rss_growth_mb.get(p, 0.0)
+        if p in pb.rss_mb:
+            return r - (pb.rss_mb[p] - pb.rss_growth_mb.get(p, 0.0))
+        return r
+
+    held = pw.gone_rss_mb | pw.rss_mb
+    best = max(((p, grown(p, r)) for p, r in held.items() if p not in skip),
+               key=lambda x: x[1], default=None)
     if best is None or best[1] <= 0:
         return None, 0.0, []
     p, g = best
     ev = [Evidence(f"process_rss_mb{{pid={p},name={pw.comm.get(p, '')}}}",
-                   pw.rss_mb[p] - g, pw.rss_mb[p])]
+                   held[p] - g, held[p])]
     return {"pid": p, "name": pw.comm.get(p, "")}, g / 1024, ev
 
 
@@ -145,6 +155,8 @@ def features(d: Decomposition, ctx: Context) -> dict[str, float]:
     f["competitor_rss_gb"] = _rss_culprit(ctx)[1]
     pc, pm = _psi(ctx, "cpu_some"), _psi(ctx, "memory_some")
     f["psi_cpu_delta"], f["psi_mem_delta"] = pc[1] - pc[0], pm[1] - pm[0]
+    pio = _psi(ctx, "io_some")
+    f["psi_io_delta"] = pio[1] - pio[0]
     mb, mw = _victim(ctx, "majflt_per_s")
     f["victim_majflt_log"] = math.log1p(mw) - math.log1p(mb)
     f["error_delta"] = s["error"][1] - s["error"][0]
@@ -162,8 +174,9 @@ def heuristic(d: Decomposition, f: Mapping[str, float]) -> dict[str, float]:
     if f["competitor_cpu"] < MIN_COMPETITOR_CORES and queued:
         ex[C.SERVER_QUEUEING] += ex.pop(C.CPU_STARVATION)
         ex[C.CPU_STARVATION] = 0.0
-    if f["psi_mem_delta"] > 0.02 or (f["competitor_rss_gb"] >= MIN_RSS_GROWTH_GB
-                                      and f["victim_majflt_log"] > 0.5):
+    memory = f["psi_mem_delta"] > 0.02 or (f["competitor_rss_gb"] >= MIN_RSS_GROWTH_GB
+                                            and f["victim_majflt_log"] > 0.5)
+    if memory:
         ex[C.HOST_MEMORY_PRESSURE] = max(ex[C.HOST_MEMORY_PRESSURE], 1.05 * ex[C.CPU_STARVATION])
     srtt_b, srtt_w = d.signals.get("srtt_ms", (0.0, 0.0))
     if f["log_srtt"] > 0.5 and srtt_w - srtt_b > 1.0 and ex[C.NETWORK_DELAY] <= 0:
@@ -174,6 +187,13 @@ def heuristic(d: Decomposition, f: Mapping[str, float]) -> dict[str, float]:
     # requests when sizes grew; queueing when only the requests in flight grew; else unknown
     if f["log_rate"] > 0.15:
         ex[C.SERVER_QUEUEING] += rest
+    elif memory and ex[C.HOST_MEMORY_PRESSURE] > 0:
+        # the same arrivals, the server stalled on reclaim and faults: its slots stay taken
+        # longer and the rest is waiting for them, behind the stall (requests that finish
+        # in a stalled window are a biased few: their sizes say little). Before the CPU
+        # rule: a stall measured in the server's own faults outweighs a CPU wait that
+        # explains less (memory's share is at least 1.05x the CPU's, above)
+        ex[C.HOST_MEMORY_PRESSURE] += rest
     elif f["session_competitor_cpu"] >= MIN_COMPETITOR_CORES and ex[C.CPU_STARVATION] > 0:
         ex[C.CPU_STARVATION] += rest
     elif bigger:
@@ -234,6 +254,25 @@ def _ev(d: Decomposition, *names: str) -> list[Evidence]:
     return [Evidence(n, *d.signals[n]) for n in names if n in d.signals]
 
 
+def memory_stall(d: Decomposition, ctx: Context) -> None:
+    """The memory stall (`psi_memory_some`) misses a page the kernel reclaimed before it saw
+    it in use again (a model's weights, read a page here and there): it comes back as a plain
+    disk read, an I/O stall. When the server's own major faults rose, the rise of the node's
+    I/O stall share explains its latency as the memory stall's does (the larger of the two is
+    host_memory_pressure's term in `d`). mem-24 (bench/rca_runs.py run --mem): the server's
+    faults 0 -> ~250/s, TTFT p95 8.7 -> 28 ms, the memory stall flat."""
+    mb, mw = _victim(ctx, "majflt_per_s")
+    if math.log1p(mw) - math.log1p(mb) <= 0.5 or ctx.proc_win is None \
+            or "io_some" not in ctx.proc_win.psi:
+        return
+    b, w = _psi(ctx, "io_some")
+    d.signals["psi_io_some"] = (b, w)
+    d.signals["victim_major_faults_per_s"] = (mb, mw)
+    io = d.observed_ms * max(0.0, w - b)
+    if io > d.explained_ms.get(C.HOST_MEMORY_PRESSURE, 0.0):
+        d.explained_ms[C.HOST_MEMORY_PRESSURE] = io
+
+
 def starved_dependency(d: Decomposition, ctx: Context) -> None:
     """A dependency on this node that waited longer for a CPU while another process's CPU use
     rose is slow because of that competition: its run-queue wait in the window, spread over
@@ -276,7 +315,9 @@ def explain(cause: str, d: Decomposition, ctx: Context,
         return cul, _ev(d, "runq_ms", "dependency_runq_ms_per_s") + ev
     if cause == C.HOST_MEMORY_PRESSURE:
         cul, _, ev = _rss_culprit(ctx)
-        return cul, _ev(d, "psi_memory_some") + ev
+        mb, mw = _victim(ctx, "majflt_per_s")
+        return cul, _ev(d, "psi_memory_some", "psi_io_some") + [
+            Evidence("victim_major_faults_per_s", mb, mw)] + ev
     if cause == C.NETWORK_LOSS:
         return _peer_culprit(ctx.win, "retrans", "peer"), _ev(d, "retransmits_per_request")
     if cause == C.NETWORK_DELAY:

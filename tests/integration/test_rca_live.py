@@ -176,3 +176,60 @@ def test_network_fault_between_client_and_server_is_named(tmp_path: Path, cause:
     top = during[0]["causes"][0]
     assert top["cause"] == cause, json.dumps(during[0])
     assert top["culprit"] == {"peer": host}, json.dumps(during[0])
+
+
+@pytest.mark.skipif(not have("stress-ng"), reason="needs stress-ng")
+def test_memory_competitor_in_the_servers_cgroup_is_named(tmp_path: Path) -> None:
+    """The bench server reads its per-token work from 256 MiB of mmap'd "weights" and runs in
+    a memory cgroup of its own (a pod's limit); a stress-ng holding 512 MiB in that cgroup,
+    under a limit that leaves room only by reclaiming 6% of the weights' page cache, makes
+    it fault them back from disk (bench/rca_runs.py run --mem does the same). The verdict
+    that covers the fault names host_memory_pressure and the competitor."""
+    sys.path.insert(0, str(BENCH.parents[1]))
+    from bench.faults.competitors import MemoryCgroup, start_memory_squeeze
+    from bench.rca_runs import make_weights
+
+    weights = make_weights(tmp_path / "weights", 256 << 20)
+    port, dep_port = free_port(), free_port()
+    control = tmp_path / "control.json"
+    control.write_text('{"rate_mult": 1.0, "mix": "normal"}')
+    cg = MemoryCgroup()
+    procs = [_spawn("dep", "--port", str(dep_port))]
+    comp = rca = None
+    try:
+        procs.append(subprocess.Popen(  # noqa: PLW1509 (no threads in this process fork here)
+            [sys.executable, str(BENCH), "serve", "--port", str(port), "--dep-port",
+             str(dep_port), "--weights", str(weights)], preexec_fn=cg.join))
+        wait_port(dep_port)
+        wait_port(port, timeout=60)  # it reads the weights in first
+        rca = _Rca("-p", str(procs[1].pid), "--window", "5", "--duration", "80")
+        procs.append(_spawn("load", "--port", str(port), "--rate", "5", "--seed", "21",
+                            "--control", str(control), "--trace", str(TRACE)))
+        time.sleep(30)  # the baseline: six normal windows
+        comp = start_memory_squeeze(cg, int(0.06 * (256 << 20)), duration_s=60)
+        t_fault = time.time_ns()
+        culprits = set(comp.culprit()["pids"])  # type: ignore[call-overload]
+        time.sleep(15)
+        comp.stop()
+        t_end = time.time_ns()
+        time.sleep(3)
+    finally:
+        if comp is not None:
+            comp.stop()
+        if rca is not None:
+            rca.stop()
+        for p in procs:
+            p.terminate()
+            p.wait(5)
+        cg.remove()
+    assert rca is not None
+    during = [v for v in rca.verdicts
+              if t_fault <= (v["window"]["start_unix_nano"] + v["window"]["end_unix_nano"]) // 2
+              < t_end]
+    assert during, f"no verdict during the fault; all: {rca.verdicts}"
+    top = during[0]["causes"][0]
+    print("first verdict in the fault:", json.dumps(during[0]["causes"][:2]))
+    assert top["cause"] == "host_memory_pressure", json.dumps(during[0])
+    assert top["culprit"] is not None and top["culprit"]["pid"] in culprits, json.dumps(during[0])
+    before = [v for v in rca.verdicts if v["window"]["end_unix_nano"] <= t_fault]
+    assert len(before) <= 1, f"false alarms before the fault: {before}"

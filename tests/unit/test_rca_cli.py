@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SITS = str(Path(sys.executable).parent / "sits-trace")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rca"
 
@@ -16,19 +18,22 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-def test_rca_from_a_recording_prints_only_json_verdicts() -> None:
-    fixture = FIXTURES / "cpu_starvation.jsonl.gz"
+@pytest.mark.parametrize("cause", ["cpu_starvation", "host_memory_pressure"])
+def test_rca_from_a_recording_prints_only_json_verdicts(cause: str) -> None:
+    """Recorded fault runs (bench/rca_runs.py; host_memory_pressure: `run --mem`, a
+    competitor squeezing the server's mmap'd weights out of its memory cgroup)."""
+    fixture = FIXTURES / f"{cause}.jsonl.gz"
     p = run("rca", "--from", str(fixture), "--window", "5", "--json")
     assert p.returncode == 0, p.stderr
     verdicts = [json.loads(line) for line in p.stdout.splitlines()]
-    assert verdicts, "the recorded CPU fault must give at least one verdict"
+    assert verdicts, "the recorded fault must give at least one verdict"
     for v in verdicts:
         assert {"time_unix_nano", "service", "route", "breach", "causes"} <= set(v)
     labels = [json.loads(x) for x in _labels(fixture)]
     lab = labels[0]
     during = [v for v in verdicts if v["window"]["end_unix_nano"] > lab["start_ns"]
               and v["window"]["start_unix_nano"] < lab["end_ns"]]
-    assert during and during[0]["causes"][0]["cause"] == "cpu_starvation"
+    assert during and during[0]["causes"][0]["cause"] == cause
     assert during[0]["causes"][0]["culprit"]["pid"] in lab["culprit"]["pids"]
 
 
