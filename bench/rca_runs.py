@@ -303,6 +303,21 @@ def _get(port: int, path: str) -> None:
     c.close()
 
 
+def _record(sits: str, rec: Path, total: float, *pids: int) -> subprocess.Popen[str]:
+    """`sits-trace record` of `pids` for `total` s, returned once it records. Every exchange
+    captured (no load shedding): the labels judge the analysis, not sampling."""
+    env = {**os.environ, "SITS_TRACE_CPU_BUDGET": "0"}
+    argv = [sits, "record", "--out", str(rec), "--duration", str(total)]
+    for pid in pids:
+        argv += ["-p", str(pid)]
+    recorder = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+    assert recorder.stderr is not None
+    for line in recorder.stderr:
+        if "recording" in line:
+            break
+    return recorder
+
+
 INTENSITY = {"cpu_starvation": (2, 3, 4), "server_queueing": (4.0, 5.0, 6.0),
              "request_mix_shift": (1.0,), "slow_dependency": (25.0, 40.0, 60.0)}
 
@@ -323,15 +338,7 @@ def run(seed: int, out_dir: Path, baseline_s: float, fault_s: float, gap_s: floa
     order = list(FAULTS)
     rng.shuffle(order)
     total = baseline_s + len(order) * (fault_s + gap_s) + 5
-    # every exchange captured (no load shedding): the labels judge the analysis, not sampling
-    env = {**os.environ, "SITS_TRACE_CPU_BUDGET": "0"}
-    recorder = subprocess.Popen([sits, "record", "--out", str(rec), "--duration", str(total),
-                                 "-p", str(procs[1].pid)], stderr=subprocess.PIPE, text=True,
-                                env=env)
-    assert recorder.stderr is not None
-    for line in recorder.stderr:
-        if "recording" in line:
-            break
+    recorder = _record(sits, rec, total, procs[1].pid)
     procs.append(subprocess.Popen([*me, "load", "--port", str(port), "--rate", str(rate),
                                    "--seed", str(seed), "--control", str(control),
                                    "--trace", str(TRACE)]))
@@ -391,14 +398,7 @@ def run_net(seed: int, out_dir: Path, baseline_s: float, fault_s: float, gap_s: 
         load_p = topo.popen("client", [*me, "load", "--port", str(port), "--rate", str(rate),
                                        "--seed", str(seed), "--control", str(control),
                                        "--host", host, "--trace", str(TRACE)])
-        env = {**os.environ, "SITS_TRACE_CPU_BUDGET": "0"}
-        recorder = subprocess.Popen([sits, "record", "--out", str(rec), "--duration", str(total),
-                                     "-p", str(procs[1].pid), "-p", str(load_p.pid)],
-                                    stderr=subprocess.PIPE, text=True, env=env)
-        assert recorder.stderr is not None
-        for line in recorder.stderr:
-            if "recording" in line:
-                break
+        recorder = _record(sits, rec, total, procs[1].pid, load_p.pid)
         try:
             time.sleep(baseline_s)
             for cause in order:
@@ -462,14 +462,7 @@ def run_mem(seed: int, out_dir: Path, baseline_s: float, fault_s: float, gap_s: 
              "--weights", str(weights)], preexec_fn=cg.join))
         _wait_port(dep_port)
         _wait_port(port, timeout=60)  # it reads the weights in first
-        env = {**os.environ, "SITS_TRACE_CPU_BUDGET": "0"}
-        recorder = subprocess.Popen([sits, "record", "--out", str(rec), "--duration",
-                                     str(total), "-p", str(procs[1].pid)],
-                                    stderr=subprocess.PIPE, text=True, env=env)
-        assert recorder.stderr is not None
-        for line in recorder.stderr:
-            if "recording" in line:
-                break
+        recorder = _record(sits, rec, total, procs[1].pid)
         procs.append(subprocess.Popen([*me, "load", "--port", str(port), "--rate", str(rate),
                                        "--seed", str(seed), "--control", str(control),
                                        "--trace", str(TRACE)]))

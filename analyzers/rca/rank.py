@@ -267,7 +267,6 @@ def memory_stall(d: Decomposition, ctx: Context) -> None:
         return
     b, w = _psi(ctx, "io_some")
     d.signals["psi_io_some"] = (b, w)
-    d.signals["victim_major_faults_per_s"] = (mb, mw)
     io = d.observed_ms * max(0.0, w - b)
     if io > d.explained_ms.get(C.HOST_MEMORY_PRESSURE, 0.0):
         d.explained_ms[C.HOST_MEMORY_PRESSURE] = io

@@ -110,13 +110,19 @@ def mem_available(proc_root: Path = Path("/proc")) -> int:
 
 def cpu_hierarchy(proc_root: Path = Path("/proc")) -> tuple[Path, Literal[1, 2]] | None:
     """Mount point of the hierarchy that has the cpu controller, and its cgroup version."""
+    return hierarchy("cpu", proc_root)
+
+
+def hierarchy(controller: str, proc_root: Path = Path("/proc")
+              ) -> tuple[Path, Literal[1, 2]] | None:
+    """Mount point of the hierarchy that has `controller`, and its cgroup version."""
     for line in (proc_root / "self" / "mountinfo").read_text().splitlines():
         pre, _, post = line.partition(" - ")
         fstype, _src, opts = (post.split() + ["", "", ""])[:3]
         mnt = Path(pre.split()[4])
-        if fstype == "cgroup" and "cpu" in opts.split(","):
+        if fstype == "cgroup" and controller in opts.split(","):
             return mnt, 1
-        if fstype == "cgroup2" and "cpu" in _read(mnt / "cgroup.controllers").split():
+        if fstype == "cgroup2" and controller in _read(mnt / "cgroup.controllers").split():
             return mnt, 2
     return None
 
@@ -130,9 +136,15 @@ def _read(p: Path) -> str:
 
 def cpu_cgroup_of(pid: int, version: int, proc_root: Path = Path("/proc")) -> str:
     """The victim's path in the cpu hierarchy ('/' is the root)."""
+    return cgroup_of(pid, version, "cpu", proc_root)
+
+
+def cgroup_of(pid: int | str, version: int, controller: str,
+              proc_root: Path = Path("/proc")) -> str:
+    """A process's path in the hierarchy of `controller` ('/' is the root)."""
     for line in (proc_root / str(pid) / "cgroup").read_text().splitlines():
         hid, ctrls, path = line.split(":", 2)
-        if (version == 2 and hid == "0") or (version == 1 and "cpu" in ctrls.split(",")):
+        if (version == 2 and hid == "0") or (version == 1 and controller in ctrls.split(",")):
             return path
     return "/"
 
@@ -290,38 +302,17 @@ def start_memory_competitor(intensity: float = 0.25, duration_s: float = 60.0,
 # competitor fits only by pushing `squeeze_bytes` of the cgroup's page cache out.
 
 
-def memory_hierarchy(proc_root: Path = Path("/proc")) -> tuple[Path, Literal[1, 2]] | None:
-    """Mount point of the hierarchy that has the memory controller, and its version."""
-    for line in (proc_root / "self" / "mountinfo").read_text().splitlines():
-        pre, _, post = line.partition(" - ")
-        fstype, _src, opts = (post.split() + ["", "", ""])[:3]
-        mnt = Path(pre.split()[4])
-        if fstype == "cgroup" and "memory" in opts.split(","):
-            return mnt, 1
-        if fstype == "cgroup2" and "memory" in _read(mnt / "cgroup.controllers").split():
-            return mnt, 2
-    return None
-
-
-def memory_cgroup_of(pid: int | str, version: int, proc_root: Path = Path("/proc")) -> str:
-    for line in (proc_root / str(pid) / "cgroup").read_text().splitlines():
-        hid, ctrls, path = line.split(":", 2)
-        if (version == 2 and hid == "0") or (version == 1 and "memory" in ctrls.split(",")):
-            return path
-    return "/"
-
-
 class MemoryCgroup:
     """A fresh memory cgroup beside this process's own (so under any limit it has), no limit
     until `limit` is called. Start the victim in it with `preexec_fn=cg.join` (its page cache
     is charged to the cgroup that first faults it in)."""
 
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
-        hier = memory_hierarchy(proc_root)
+        hier = hierarchy("memory", proc_root)
         if hier is None:
             raise CompetitorError("no cgroup hierarchy with the memory controller is mounted")
         mnt, self.version = hier
-        parent = mnt / memory_cgroup_of("self", self.version, proc_root).lstrip("/")
+        parent = mnt / cgroup_of("self", self.version, "memory", proc_root).lstrip("/")
         self.path = parent / f"sits-mem-{os.getpid()}-{secrets.token_hex(3)}"
         try:
             self.path.mkdir()
