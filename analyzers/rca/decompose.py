@@ -162,6 +162,9 @@ def _signals(d: Decomposition, win: pd.DataFrame, base: pd.DataFrame, win_s: flo
         return vb, vw
 
     d.signals["requests_per_s"] = (len(base) / max(base_s, 1e-9), len(win) / max(win_s, 1e-9))
+    # the window's requests against what the baseline's rate would have brought in it: a
+    # Poisson count's chance rise is told from a load rise by it (rank.arrivals_rose)
+    d.signals["requests"] = (len(base) * win_s / max(base_s, 1e-9), float(len(win)))
     d.signals["in_flight"] = (concurrency(base), concurrency(win))
     for name in ("runq_ms", "srtt_ms", "chunks", "req_bytes", "resp_bytes", "cuda_sync_ms",
                  "cuda_copy_ms", "error", "gpu_sm_clock_mhz"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 from pathlib import Path
 
@@ -156,6 +157,30 @@ def test_memory_stall_takes_the_wait_for_slots_it_caused() -> None:
     f["log_chunks"] = 0.0
     h = rank.heuristic(d, f)
     assert max(h, key=lambda c: h[c]) == C.SERVER_QUEUEING
+
+
+def test_a_chance_rise_in_arrivals_is_no_load_rise() -> None:
+    """CI at cf2dc7f, the live memory test: the stalled server's first fault window held 28
+    requests where the baseline's 4.08/s brings 20.4 (its queue drained into the window);
+    the rate rule gave the wait the stall caused (rest ~200 ms of 235) to server_queueing,
+    0.88 against memory's 0.12. A rise within a Poisson count's chance is no load rise; the
+    same rise over a window ten times as full is."""
+    from sits_trace.analyzers.rca import causes as C
+    from sits_trace.analyzers.rca import rank
+    from sits_trace.analyzers.rca.decompose import Decomposition
+
+    def rules(expected: float, seen: float) -> dict[str, float]:
+        d = Decomposition("ttft_ms", 11.7, 246.4, {C.HOST_MEMORY_PRESSURE: 28.9,
+                                                   C.CPU_STARVATION: 2.3},
+                          {"requests": (expected, seen)})
+        f = dict.fromkeys(rank.FEATURES, 0.0) | {"log_rate": math.log(seen / expected),
+                                                 "log_inflight": 1.27, "psi_mem_delta": 0.117}
+        return rank.heuristic(d, f)
+
+    h = rules(20.4, 28.0)
+    assert max(h, key=lambda c: h[c]) == C.HOST_MEMORY_PRESSURE, h
+    h = rules(204.0, 280.0)  # z 5.3: the load rose
+    assert max(h, key=lambda c: h[c]) == C.SERVER_QUEUEING, h
 
 
 def test_weights_read_back_from_disk_are_a_memory_stall_by_the_io_stall() -> None:
