@@ -183,6 +183,29 @@ def test_a_chance_rise_in_arrivals_is_no_load_rise() -> None:
     assert max(h, key=lambda c: h[c]) == C.SERVER_QUEUEING, h
 
 
+def test_the_unmeasured_wait_is_shown_on_the_cause_that_leads() -> None:
+    """The verdict's ms per cause add up to the rise once: the wait no signal measures goes
+    with the best ranked cause that can hold it, not with server_queueing in second place."""
+    from sits_trace.analyzers.rca import causes as C
+    from sits_trace.analyzers.rca import rank
+    from sits_trace.analyzers.rca.decompose import decompose
+    from sits_trace.analyzers.rca.spantable import empty_frame
+
+    df = empty_frame()
+    d = decompose(df, df, "ttft_ms")
+    d.baseline_ms, d.observed_ms = 11.7, 246.4
+    d.explained_ms |= {C.HOST_MEMORY_PRESSURE: 28.9, C.SLOW_DEPENDENCY: 4.4}
+    ctx = rank.Context(set(), df, df, exclude_pids=set())
+    got = {c.cause: c.explained_ms for c in rank.ranked(
+        d, ctx, {C.HOST_MEMORY_PRESSURE: 0.9, C.SERVER_QUEUEING: 0.08, C.SLOW_DEPENDENCY: 0.02})}
+    assert got[C.HOST_MEMORY_PRESSURE] == pytest.approx(246.4 - 11.7 - 4.4)
+    assert got[C.SERVER_QUEUEING] == 0.0 and got[C.SLOW_DEPENDENCY] == pytest.approx(4.4)
+    got = {c.cause: c.explained_ms for c in rank.ranked(
+        d, ctx, {C.SERVER_QUEUEING: 0.9, C.HOST_MEMORY_PRESSURE: 0.1})}
+    assert got[C.SERVER_QUEUEING] == pytest.approx(246.4 - 11.7 - 4.4 - 28.9)
+    assert got[C.HOST_MEMORY_PRESSURE] == pytest.approx(28.9)
+
+
 def test_weights_read_back_from_disk_are_a_memory_stall_by_the_io_stall() -> None:
     """mem-24: a competitor squeezed 10% of the server's mmap'd weights out; its major faults
     rose from 0 to ~250/s, TTFT p95 8.7 -> 28 ms, and the memory stall did not move (pages
