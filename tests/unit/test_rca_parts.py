@@ -206,6 +206,23 @@ def test_the_unmeasured_wait_is_shown_on_the_cause_that_leads() -> None:
     assert got[C.HOST_MEMORY_PRESSURE] == pytest.approx(28.9)
 
 
+def test_a_cause_whose_own_term_explains_nothing_does_not_lead() -> None:
+    """Dependency calls that got faster, no retransmits: neither slow_dependency nor
+    network_loss leads, whatever the model says; with a positive term they may."""
+    from sits_trace.analyzers.rca import causes as C
+    from sits_trace.analyzers.rca import rank
+    from sits_trace.analyzers.rca.decompose import Decomposition
+
+    d = Decomposition("duration_ms", 79.0, 83.0, {C.SLOW_DEPENDENCY: -0.1,
+                                                  C.REQUEST_MIX_SHIFT: 23.0})
+    for cause in (C.SLOW_DEPENDENCY, C.NETWORK_LOSS):
+        s = rank.consistent(d, {cause: 0.56, C.REQUEST_MIX_SHIFT: 0.40})
+        assert max(s, key=lambda c: s[c]) == C.REQUEST_MIX_SHIFT, s
+    d.explained_ms[C.SLOW_DEPENDENCY] = 3.0
+    s = rank.consistent(d, {C.SLOW_DEPENDENCY: 0.56, C.REQUEST_MIX_SHIFT: 0.40})
+    assert max(s, key=lambda c: s[c]) == C.SLOW_DEPENDENCY, s
+
+
 def test_weights_read_back_from_disk_are_a_memory_stall_by_the_io_stall() -> None:
     """mem-24: a competitor squeezed 10% of the server's mmap'd weights out; its major faults
     rose from 0 to ~250/s, TTFT p95 8.7 -> 28 ms, and the memory stall did not move (pages
