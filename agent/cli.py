@@ -333,6 +333,7 @@ def rca(
     normal: Annotated[Path | None, typer.Option("--normal", help="metric table (CSV, first column time) of normal operation")] = None,
     anomalous: Annotated[Path | None, typer.Option("--anomalous", help="metric table of the anomalous period")] = None,
     method: Annotated[str, typer.Option("--method", help="with --normal/--anomalous: sits, baro or nsigma")] = "sits",
+    at: Annotated[str | None, typer.Option("--at", help="with --from: diagnose only the window holding this time (unix seconds or ISO 8601), breach or not")] = None,
 ) -> None:
     """Print a verdict whenever a service misses its SLO or degrades: the causes, ranked,
     with culprit, evidence and the milliseconds each explains (docs/rca.md).
@@ -342,6 +343,8 @@ def rca(
       sits-trace rca --json -p $(pgrep -of vllm) --window 10
 
       sits-trace rca --from run.jsonl.gz --json
+
+      sits-trace rca --from run.jsonl.gz --at 2026-12-05T12:03:20Z
 
       sits-trace rca --normal n.csv --anomalous a.csv --method baro --json
     """
@@ -355,8 +358,10 @@ def rca(
     from sits_trace.analyzers.rca.setup import SetupError, build_engine  # noqa: PLC0415
 
     printer = _verdict_printer(as_json)
+    if at is not None and from_file is None:
+        _fail("--at needs --from: a recording to look back into")
     if from_file is not None:
-        _rca_replay(cfg, from_file, window, printer)
+        _rca_replay(cfg, from_file, window, printer, None if at is None else _time_ns(at))
         return
     from sits_trace.analyzers.rca.live import LiveRca  # noqa: PLC0415
 
@@ -380,7 +385,25 @@ def rca(
     live.stop()
 
 
-def _rca_replay(cfg: Any, path: Path, window: float | None, printer: Any) -> None:
+def _time_ns(text: str) -> int:
+    """Unix seconds or an ISO 8601 time (UTC unless it says otherwise) in ns."""
+    import datetime as dt  # noqa: PLC0415
+
+    try:
+        return int(float(text) * 1e9)
+    except ValueError:
+        pass
+    try:
+        t = dt.datetime.fromisoformat(text)
+    except ValueError:
+        _fail(f"--at {text!r}: not unix seconds or an ISO 8601 time")
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.UTC)
+    return int(t.timestamp() * 1e9)
+
+
+def _rca_replay(cfg: Any, path: Path, window: float | None, printer: Any,
+                at_ns: int | None = None) -> None:
     from sits_trace.analyzers.rca.offline import frame_of, replay  # noqa: PLC0415
     from sits_trace.analyzers.rca.recording import RecordingError, read  # noqa: PLC0415
     from sits_trace.analyzers.rca.setup import SetupError, build_engine  # noqa: PLC0415
@@ -397,8 +420,19 @@ def _rca_replay(cfg: Any, path: Path, window: float | None, printer: Any) -> Non
                               exclude_pids={int(rec.meta.get("agent_pid", 0))} - {0})
     except SetupError as exc:
         _fail(str(exc))
+    if at_ns is not None:
+        if not rec.spans or not min(ts) <= at_ns <= max(ts):
+            _fail(f"--at: the recording's spans end between {min(ts) / 1e9:.3f} and "
+                  f"{max(ts) / 1e9:.3f} (unix seconds)")
+        engine.asked = lambda t0, t1: t0 <= at_ns < t1
+    shown = 0
     for v in replay(rec, engine):
-        printer(v)
+        if at_ns is None or v.window_start_unix_nano <= at_ns < v.window_end_unix_nano:
+            printer(v)
+            shown += 1
+    if at_ns is not None and not shown:
+        _fail(f"--at: the window holding that time has fewer than {engine.s.min_spans} "
+              "requests of any service: nothing to diagnose", 1)
 
 
 @app.command()

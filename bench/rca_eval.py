@@ -9,7 +9,9 @@ it, the rules alone, NSigma, BARO and a random ranking on the other (held-out) r
 Per fault type: AC@1, AC@3, Avg@5 (mean of AC@1..5) over the episodes, the share of episodes
 with a culprit whose top cause names it, and the verdict's delay after the end of the window it
 judges. An episode is diagnosed by the first verdict whose window lies mostly inside the
-fault (its middle does); none is a miss at every k. NSigma and BARO rank per-second metric tables of the same episodes (normal:
+fault (its middle does); none is a miss at every k. `ours@t` is given the fault's time as
+NSigma and BARO are (RCAEval's protocol): the fault's windows are diagnosed whether or not
+they breach (`RcaEngine(asked=...)`, `sits-trace rca --from FILE --at TIME`). NSigma and BARO rank per-second metric tables of the same episodes (normal:
 the 30 s before the fault; anomalous: the fault), each metric standing for the cause it would
 indicate; a cause ranks where its best metric ranks.
 """
@@ -53,14 +55,21 @@ class Episode:
     end_ns: int
     rankings: dict[str, list[str]] = field(default_factory=dict)  # method -> causes, best first
     culprit_ok: bool | None = None
+    culprit_ok_t: bool | None = None  # ours@t's
     delay_s: float | None = None
 
 
-def engine(model: LinearModel | None, rec: Recording) -> RcaEngine:
+def engine(model: LinearModel | None, rec: Recording,
+           asked: Callable[[int, int], bool] | None = None) -> RcaEngine:
     ex = {int(rec.meta.get("agent_pid", 0))} - {0}
     t0 = min(s.end_time_unix_nano for s in rec.spans)
     return RcaEngine(RcaSettings(window_s=WINDOW_S), model=model, frame=frame_of(rec),
-                     clock_ns=lambda: t0, exclude_pids=ex)
+                     clock_ns=lambda: t0, exclude_pids=ex, asked=asked)
+
+
+def fault_windows(eps: Sequence[Episode]) -> Callable[[int, int], bool]:
+    """The windows lying mostly inside a fault: diagnosed whether or not they breach."""
+    return lambda t0, t1: any(e.start_ns <= (t0 + t1) // 2 < e.end_ns for e in eps)
 
 
 def episodes(rec: Recording, run: str) -> list[Episode]:
@@ -213,6 +222,7 @@ def evaluate(paths: Sequence[Path], model: LinearModel | None,
         eps = episodes(rec, p.name)
         ours = replay(rec, engine(model, rec))
         rules = replay(rec, engine(None, rec))
+        given = replay(rec, engine(model, rec, fault_windows(eps)))
         if alarms is not None:
             fa = false_alarms(rec, ours, eps)
             alarms.count += fa.count
@@ -221,12 +231,14 @@ def evaluate(paths: Sequence[Path], model: LinearModel | None,
                   for k in {ep.judge for ep in eps}} if rec.labels else {}
         for ep in eps:
             table = tables.get(ep.judge)
-            for name, vs in (("ours", ours), ("rules", rules)):
+            for name, vs in (("ours", ours), ("ours@t", given), ("rules", rules)):
                 v = first_verdict(vs, ep)
                 ep.rankings[name] = [c.cause for c in v.causes] if v else []
                 if name == "ours" and v is not None:
                     ep.culprit_ok = culprit_ok(v, ep)
                     ep.delay_s = (v.time_unix_nano - v.window_end_unix_nano) / 1e9
+                if name == "ours@t" and v is not None:
+                    ep.culprit_ok_t = culprit_ok(v, ep)
             if table is not None:
                 t = table.index.to_numpy() * 1_000_000_000
                 normal = table[(t >= ep.start_ns - NORMAL_S * 1e9) & (t < ep.start_ns)]
@@ -238,7 +250,7 @@ def evaluate(paths: Sequence[Path], model: LinearModel | None,
 
 
 def table(eps: Sequence[Episode]) -> str:
-    methods = ("ours", "rules", "nsigma", "baro", "random")
+    methods = ("ours", "ours@t", "rules", "nsigma", "baro", "random")
     lines = ["| fault | episodes | method | AC@1 | AC@3 | Avg@5 | culprit right | verdict delay s |",
              "|---|---|---|---|---|---|---|---|"]
     by: dict[str, list[Episode]] = defaultdict(list)
@@ -252,9 +264,11 @@ def table(eps: Sequence[Episode]) -> str:
             else:
                 acs = [ac_at(group, m, k) for k in range(1, 6)]
             cul, dly = "", ""
-            if m == "ours":
-                c = [e.culprit_ok for e in group if e.culprit_ok is not None]
+            if m.startswith("ours"):
+                c = [x for e in group
+                     for x in [e.culprit_ok if m == "ours" else e.culprit_ok_t] if x is not None]
                 cul = f"{np.mean(c):.2f} ({len(c)})" if c else "-"
+            if m == "ours":
                 d = [e.delay_s for e in group if e.delay_s is not None]
                 dly = f"max {max(d):.2f}" if d else "-"
             lines.append(f"| {cause} | {len(group)} | {m} | {acs[0]:.2f} | {acs[2]:.2f} | "

@@ -63,8 +63,12 @@ class RcaEngine:
                  frame: Callable[[], pd.DataFrame | None] | None = None,
                  clock_ns: Callable[[], int] = time.time_ns,
                  exclude_pids: set[int] | None = None,
-                 peer_pids: Callable[[str], set[int]] | None = None) -> None:
+                 peer_pids: Callable[[str], set[int]] | None = None,
+                 asked: Callable[[int, int], bool] | None = None) -> None:
         self.s = settings
+        # windows [t0, t1) to diagnose whether or not they breach (sits-trace rca --at; the
+        # evaluation's "given the fault's time", as NSigma and BARO are given it)
+        self.asked = asked
         self.slos = list(slos)
         self.model = model
         self._frame = frame
@@ -171,6 +175,8 @@ class RcaEngine:
         breaches = [b for s in slos for b in slo_breaches(g, s)]
         if not slos:
             breaches = degradation(g, grp.history, self.s.rule)
+        if not breaches and self.asked is not None and self.asked(t0, t1):
+            breaches = [asked_breach(g, grp.history)]
         if not breaches:
             grp.history.append(window_stats(g))
             grp.frames.append((t0, t1, g, deps))
@@ -183,7 +189,7 @@ class RcaEngine:
         import pandas as pd  # noqa: PLC0415 - the type is imported for checking only, above
 
         assert isinstance(breach, Breach)
-        metric = breach.objective.removeprefix("degradation:").removesuffix("_mean")
+        metric = breach.objective.split(":", 1)[-1].removesuffix("_mean")
         metric = metric.rsplit("_p", 1)[0]
         metric = _METRIC_OF.get(metric, "duration_ms")
         if metric != "duration_ms" and g[metric].isna().all():
@@ -243,6 +249,23 @@ class RcaEngine:
             return None, None
         t = fr.index.asi8 if hasattr(fr.index, "asi8") else np.asarray(fr.index)
         return fr[(t >= t0) & (t < t1)], fr[(t >= b0) & (t < b1)]
+
+
+def asked_breach(g: pd.DataFrame, history: Sequence[dict[str, float]]) -> Breach:
+    """A window asked for that breached nothing: judged on the metric whose mean rose most
+    against the earlier windows' (duration when none has a baseline)."""
+    now = window_stats(g)
+    best: Breach | None = None
+    for m in ("duration_ms", "ttft_ms", "tbt_ms"):
+        key = f"{m}_mean"
+        past = [h[key] for h in history if not np.isnan(h.get(key, np.nan))]
+        if np.isnan(now[key]) or not past:
+            continue
+        b = Breach(f"asked:{key}", now[key], float(np.median(past)), float(np.median(past)))
+        if best is None or b.observed / max(b.target, 1e-9) > best.observed / max(best.target,
+                                                                               1e-9):
+            best = b
+    return best or Breach("asked:duration_ms_mean", now["duration_ms_mean"], 0.0)
 
 
 def _nearest(ts: list[int], t: int) -> int:

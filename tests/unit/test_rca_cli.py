@@ -73,3 +73,30 @@ def test_rca_ranks_metric_tables_with_the_baselines(tmp_path: Path) -> None:
         assert set(ranking[0]) == {"metric", "score"}
     p = run("rca", "--normal", str(n), "--anomalous", str(a), "--method", "magic")
     assert p.returncode == 2 and "magic" in p.stderr
+
+
+def test_rca_at_diagnoses_the_window_asked_for_breach_or_not() -> None:
+    """`--at T`: only the window holding T, diagnosed even when it breached nothing (the
+    engineer paged about 12:03 asks why 12:03 was slow; the detector may not have fired)."""
+    fixture = FIXTURES / "cpu_starvation.jsonl.gz"
+    lab = json.loads(_labels(fixture)[0])
+    t_fault = (lab["start_ns"] + 6 * 10**9) / 1e9
+    p = run("rca", "--from", str(fixture), "--window", "5", "--json", "--at", f"{t_fault:.3f}")
+    assert p.returncode == 0, p.stderr
+    vs = [json.loads(line) for line in p.stdout.splitlines()]
+    assert vs and all(v["window"]["start_unix_nano"] <= t_fault * 1e9
+                      < v["window"]["end_unix_nano"] for v in vs)
+    assert vs[0]["causes"][0]["cause"] == "cpu_starvation"
+    import datetime as dt
+
+    t_normal = dt.datetime.fromtimestamp(lab["start_ns"] / 1e9 - 20, dt.UTC)
+    p = run("rca", "--from", str(fixture), "--window", "5", "--json", "--at",
+            t_normal.isoformat())
+    assert p.returncode == 0, p.stderr
+    vs = [json.loads(line) for line in p.stdout.splitlines()]
+    assert vs and vs[0]["breach"]["objective"].startswith("asked:"), vs
+    for bad in (["--at", "12"], ["--at", "yesterday"]):
+        p = run("rca", "--from", str(fixture), *bad)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    p = run("rca", "--at", "12")
+    assert p.returncode == 2 and "--from" in p.stderr
