@@ -10,8 +10,9 @@ Per fault type: AC@1, AC@3, Avg@5 (mean of AC@1..5) over the episodes, the share
 with a culprit whose top cause names it, and the verdict's delay after the end of the window it
 judges. An episode is diagnosed by the first verdict whose window lies mostly inside the
 fault (its middle does); none is a miss at every k. `ours@t` is given the fault's time as
-NSigma and BARO are (RCAEval's protocol): the fault's windows are diagnosed whether or not
-they breach (`RcaEngine(asked=...)`, `sits-trace rca --from FILE --at TIME`). NSigma and BARO rank per-second metric tables of the same episodes (normal:
+NSigma and BARO are (RCAEval's protocol): the detector's first verdict in the fault, and
+where it gave none, the verdict on the fault's first window asked for whether or not it
+breached (`RcaEngine(asked=...)`, as `sits-trace rca --from FILE --at TIME` does). NSigma and BARO rank per-second metric tables of the same episodes (normal:
 the 30 s before the fault; anomalous: the fault), each metric standing for the cause it would
 indicate; a cause ranks where its best metric ranks.
 """
@@ -65,6 +66,11 @@ def engine(model: LinearModel | None, rec: Recording,
     t0 = min(s.end_time_unix_nano for s in rec.spans)
     return RcaEngine(RcaSettings(window_s=WINDOW_S), model=model, frame=frame_of(rec),
                      clock_ns=lambda: t0, exclude_pids=ex, asked=asked)
+
+
+def asked(v: Verdict) -> bool:
+    """A verdict given because its window was asked for, not because it breached."""
+    return v.breach.objective.startswith("asked:")
 
 
 def fault_windows(eps: Sequence[Episode]) -> Callable[[int, int], bool]:
@@ -233,6 +239,8 @@ def evaluate(paths: Sequence[Path], model: LinearModel | None,
             table = tables.get(ep.judge)
             for name, vs in (("ours", ours), ("ours@t", given), ("rules", rules)):
                 v = first_verdict(vs, ep)
+                if name == "ours@t":  # the detector's verdict in the fault, else the asked one
+                    v = first_verdict([x for x in vs if not asked(x)], ep) or v
                 ep.rankings[name] = [c.cause for c in v.causes] if v else []
                 if name == "ours" and v is not None:
                     ep.culprit_ok = culprit_ok(v, ep)
