@@ -255,17 +255,15 @@ def asked_breach(g: pd.DataFrame, history: Sequence[dict[str, float]]) -> Breach
     """A window asked for that breached nothing: judged on the metric whose mean rose most
     against the earlier windows' (duration when none has a baseline)."""
     now = window_stats(g)
-    best: Breach | None = None
-    for m in ("duration_ms", "ttft_ms", "tbt_ms"):
-        key = f"{m}_mean"
+    rose: list[Breach] = []
+    for key in ("duration_ms_mean", "ttft_ms_mean", "tbt_ms_mean"):
         past = [h[key] for h in history if not np.isnan(h.get(key, np.nan))]
-        if np.isnan(now[key]) or not past:
-            continue
-        b = Breach(f"asked:{key}", now[key], float(np.median(past)), float(np.median(past)))
-        if best is None or b.observed / max(b.target, 1e-9) > best.observed / max(best.target,
-                                                                               1e-9):
-            best = b
-    return best or Breach("asked:duration_ms_mean", now["duration_ms_mean"], 0.0)
+        if past and not np.isnan(now[key]):
+            base = float(np.median(past))
+            rose.append(Breach(f"asked:{key}", now[key], base, base))
+    if not rose:
+        return Breach("asked:duration_ms_mean", now["duration_ms_mean"], 0.0)
+    return max(rose, key=lambda b: b.observed / max(b.target, 1e-9))
 
 
 def _nearest(ts: list[int], t: int) -> int:
