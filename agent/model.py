@@ -58,9 +58,10 @@ class ConnInfo:
 class Chunk:
     """One read or write on a connection, as the probes saw it.
 
-    ``data`` holds the captured prefix of what moved; ``length`` is how many bytes
-    really moved (``length >= len(data)``; the rest was not captured, e.g. a body
-    sent with sendfile or a payload past the capture limit).
+    ``data`` holds the captured prefix of what moved (its suffix when ``tail``); ``length``
+    is how many bytes really moved (``length >= len(data)``; the rest was not captured, e.g.
+    a body sent with sendfile, a payload past the capture limit, or a long request body's
+    reads past its first bpf/events.h SITS_BODY_HEAD bytes).
     """
 
     direction: Direction
@@ -68,6 +69,7 @@ class Chunk:
     ts_exit_ns: int
     data: bytes
     length: int
+    tail: bool = False  # ``data`` is the last bytes of what moved (the rest came before it)
 
 
 @dataclass(slots=True)

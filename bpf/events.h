@@ -118,6 +118,7 @@ struct data_event {
 #define DATA_SAMPLE_SHIFT 0x1f
 #define DATA_GAP 0x80
 #define DATA_LOST 0x40
+#define DATA_TAIL 0x20 /* the payload is the last `captured` bytes of `len`, not the first */
 
 #ifndef SITS_STREAM_TAIL
 #define SITS_STREAM_TAIL 1024 /* bytes kept of each of a stream's last two writes */
@@ -187,7 +188,9 @@ struct conn_state {
     __u8 lost;     /* a record of this connection failed to reserve since the last one sent */
     __u8 dribble;  /* small request reads in the current exchange (slowloris bound) */
     __u8 agg;      /* a streamed response is being folded in `streams` (stream.h) */
-    __u8 _pad[7];
+    __u8 tail;     /* this read/write is past SITS_BODY_HEAD bytes of its request: tail only */
+    __u8 _pad[6];
+    __u64 run;     /* bytes moved since the current exchange began (its first request byte) */
 };
 
 BPF_RINGBUF_OUTPUT(events, SITS_RINGBUF_PAGES);
@@ -227,6 +230,18 @@ BPF_PERCPU_HASH(shed, __u64, __u64, 4096);
 #define SITS_DRIBBLE_BYTES 128
 #endif
 BPF_PERCPU_ARRAY(dribbles, __u64, 1);
+/* A request body is captured in full for its first SITS_BODY_HEAD bytes (what GenAI
+ * attributes and the parser need: headers and the start of the JSON); each later read of
+ * the same request (bytes moved one way with no reply between) sends only its last
+ * SITS_TAIL_BYTES, flagged DATA_TAIL: the length stays exact and the body's tail (a prompt's
+ * trailing "model" or "max_tokens") is still seen. A 30 MiB upload read 4 KiB at a time sent
+ * 30 MiB of payload into a 16 MiB ring before, and the ring overflowed (test_hostile). */
+#ifndef SITS_BODY_HEAD
+#define SITS_BODY_HEAD 65536
+#endif
+#ifndef SITS_TAIL_BYTES
+#define SITS_TAIL_BYTES (SITS_MAX_PAYLOAD < 512 ? SITS_MAX_PAYLOAD : 512)
+#endif
 
 #ifndef SITS_SCHED
 #define SITS_SCHED 0 /* 1: sched.c is loaded */
@@ -373,6 +388,7 @@ static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, _
         st->skip = skip;
         st->shift = s;
         st->dribble = 0;
+        st->run = 0;
         if (skip) {
             st->gap = 1;
             __u64 key = ((__u64)tgid << 8) | st->role, one = 1;
@@ -384,6 +400,14 @@ static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, _
         }
     }
     st->last_dir = cur;
+    /* tail = this is the request's direction and SITS_BODY_HEAD bytes went before, computed
+     * without branches: each branch here multiplies the verifier's paths in every caller
+     * (cur, req are 1 or 2: cur ^ req is 0 or 3) */
+    __u64 same = cur ^ req;
+    asm volatile("" : "+r"(same)); /* nor may the compiler thread it into the branches */
+    same = 1 - (same & 1);
+    st->tail = (__u8)(same & (((__u64)SITS_BODY_HEAD - 1 - st->run) >> 63));
+    st->run += len;
     if (cur == req && len < SITS_DRIBBLE_BYTES && !st->skip && ++st->dribble > SITS_MAX_DRIBBLE) {
         int zero = 0;
         __u64 *d = dribbles.lookup(&zero);

@@ -259,8 +259,14 @@ static __always_inline int io_enter(int fd, __u64 buf, __u32 iovcnt, __u8 dir, _
 /* copy up to SITS_MAX_PAYLOAD bytes from an iovec array into ev->payload */
 static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 iovcnt, __u64 total)
 {
-    __u64 off = 0;
+    /* the running offset lives in the record (a volatile load the verifier cannot follow):
+     * each entry then starts from one state whatever the paths before it, where a register
+     * offset with a range per path kept them apart (the readv/writev/sendmsg programs took
+     * 780k of the verifier's 1M instructions) */
+    volatile __u32 *at = &ev->captured;
+    *at = 0;
     for (int i = 0; i < SITS_MAX_IOV; i++) {
+        __u64 off = *at;
         if (i >= iovcnt || off >= total || off >= SITS_MAX_PAYLOAD)
             break;
         __u64 ent[2] = {}; /* struct iovec: base, len; one read per entry */
@@ -281,9 +287,9 @@ static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 io
         if (n == 0)
             break; /* len == SITS_MAX_PAYLOAD only when off == 0: the buffer is full */
         bpf_probe_read_user(ev->payload + o, n, (void *)base);
-        off += n;
+        *at = off + n;
     }
-    return off;
+    return *at;
 }
 
 /* does the write start with a TLS record header (content type 20..23, version 3.x)? */
@@ -348,7 +354,11 @@ static __always_inline void tie_written_ssl(struct thread_io *t, struct conn_sta
     st->tls = 1;
 }
 
-static __always_inline int io_exit(long ret)
+/* `dir` and `vec` are constants of each exit tracepoint: the compiler drops the paths a
+ * program cannot take (a read never folds a write, a plain read never walks an iovec),
+ * which keeps each program's verification well inside the verifier's budget (one program
+ * for all took 556k of its 1M instructions at 727277a) */
+static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
 {
     __u64 id = bpf_get_current_pid_tgid();
     if (!has_conns(id >> 32))
@@ -358,12 +368,12 @@ static __always_inline int io_exit(long ret)
         return 0;
     struct io_args a = t->io;
     t->io_active = 0;
-    if (ret <= 0)
-        return 0;
+    if (ret <= 0 || a.direction != dir || (!vec && a.iovcnt))
+        return 0; /* an enter this exit does not belong to (probes attached mid-call) */
     struct conn_state *st = conns.lookup(&a.conn);
     if (!st)
         return 0;
-    if (a.direction == 0)
+    if (dir == 0)
         st->bytes_in += ret;
     else
         st->bytes_out += ret;
@@ -376,7 +386,7 @@ static __always_inline int io_exit(long ret)
         st->tls = 1;
         return 0;
     }
-    if (a.direction == 0) {
+    if (dir == 0) {
         t->last_read_conn = a.conn;
         t->last_read_len = (__u32)ret;
     } else if (t->ssl.ssl && !st->tls && tls_record_at(a.buf, a.iovcnt)) {
@@ -384,22 +394,22 @@ static __always_inline int io_exit(long ret)
     }
     if (st->tls) {
         /* a memory-BIO TLS connection: tls.c emits the plaintext */
-        if (a.direction == 0 && ret >= (long)sizeof(struct read_prefix))
+        if (dir == 0 && ret >= (long)sizeof(struct read_prefix))
             note_read_prefix(a.conn, a.buf, a.iovcnt);
         return 0;
     }
-    int first = st->last_dir != a.direction + 1;
-    if (a.direction == 0)
+    int first = st->last_dir != dir + 1;
+    if (dir == 0)
         stream_end(a.conn, st, STREAM_END_NEXT);
-    if (!capture_exchange(id >> 32, st, a.direction, ret))
+    if (!capture_exchange(id >> 32, st, dir, ret))
         return 0;
     __u64 now = bpf_ktime_get_ns();
     /* plain writes may be folded; the iovec copy below never follows a fold attempt, which
      * keeps the verifier's paths through this program apart */
-    if (a.direction == 1 && !a.iovcnt && a.source != SRC_SENDFILE) {
+    if (dir == 1 && !vec && a.source != SRC_SENDFILE) {
         if (stream_write(id, a.conn, st, first, a.buf, ret, a.ts_ns, now, 0))
             return 0;
-    } else if (a.direction == 1) {
+    } else if (dir == 1) {
         stream_cut(a.conn, st, first);
     }
     struct data_event *ev = data_event_init(id, st->conn_id, st->role);
@@ -410,22 +420,35 @@ static __always_inline int io_exit(long ret)
     ev->ts_enter_ns = a.ts_ns;
     ev->ts_exit_ns = now;
     ev->len = ret;
-    ev->direction = a.direction;
+    ev->direction = dir;
     ev->source = a.source;
-    __u64 captured = 0;
+    __u64 captured = 0, split = 0;
+    /* past the request's first SITS_BODY_HEAD bytes (events.h): the read's last bytes only,
+     * computed without branches (each branch here multiplies the verifier's paths) */
+    __u64 tail = st->tail & 1;
+    ev->flags |= tail << 5; /* DATA_TAIL */
     if (a.source == SRC_SENDFILE) {
         captured = 0;
-    } else if (a.iovcnt) {
-        captured = copy_iov(ev, a.buf, a.iovcnt, ret);
+    } else if (vec) {
+        if (!tail) /* past the request's head, an iovec read sends its length only */
+            captured = copy_iov(ev, a.buf, a.iovcnt, ret);
     } else {
-        __u64 n = ret > SITS_MAX_PAYLOAD ? SITS_MAX_PAYLOAD : ret;
+        __u64 cap = SITS_MAX_PAYLOAD - tail * (SITS_MAX_PAYLOAD - SITS_TAIL_BYTES);
+        __u64 n = ret > cap ? cap : ret;
         asm volatile("" : "+r"(n));
         if (n > SITS_MAX_PAYLOAD)
             return 0;
-        bpf_probe_read_user(ev->payload, n, (void *)a.buf);
+        bpf_probe_read_user(ev->payload, n, (void *)(a.buf + tail * (ret - n)));
         captured = n;
+        /* a read longer than the capture: its last bytes go out as a second record (a 10 KB
+         * prompt read at once keeps the "model" and "max_tokens" the SDKs write after the
+         * messages; a client's read keeps a response's trailing "usage") */
+        if (!dir && !tail && ret > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES) {
+            split = 1;
+            ev->len = ret - SITS_TAIL_BYTES;
+        }
     }
-    if (a.direction == 0 && captured >= sizeof(struct read_prefix) &&
+    if (dir == 0 && captured >= sizeof(struct read_prefix) && !tail &&
         ev->payload[0] >= 20 && ev->payload[0] <= 23 && ev->payload[1] == 3) {
         /* a TLS record on a connection not tied yet (a handshake): for tls.c's BIO_write */
         struct read_prefix k = {};
@@ -434,6 +457,13 @@ static __always_inline int io_exit(long ret)
     }
     if (emit_data(ev, captured) < 0)
         st->lost = 1; /* the next record of the connection carries DATA_LOST */
+    if (!dir && split) {
+        ev->flags = capture_flags(st);
+        ev->len = SITS_TAIL_BYTES;
+        bpf_probe_read_user(ev->payload, SITS_TAIL_BYTES, (void *)(a.buf + ret - SITS_TAIL_BYTES));
+        if (emit_data(ev, SITS_TAIL_BYTES) < 0)
+            st->lost = 1;
+    }
     return 0;
 }
 
@@ -441,7 +471,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_read)
 {
     return io_enter(args->fd, (__u64)args->buf, 0, 0, SRC_SYSCALL);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret, 0, 0); }
 
 #define SITS_MSG_PEEK 2
 /* a MSG_PEEK read is read again for real later (nginx peeks one byte to tell TLS from
@@ -452,7 +482,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom)
         return 0;
     return io_enter(args->fd, (__u64)args->ubuf, 0, 0, SRC_SYSCALL);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret, 0, 0); }
 
 #ifndef SITS_NO_SYSCALLS_SYS_ENTER_READV
 TRACEPOINT_PROBE(syscalls, sys_enter_readv)
@@ -461,20 +491,20 @@ TRACEPOINT_PROBE(syscalls, sys_enter_readv)
 }
 #endif
 #ifndef SITS_NO_SYSCALLS_SYS_EXIT_READV
-TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args->ret, 0, 1); }
 #endif
 
 TRACEPOINT_PROBE(syscalls, sys_enter_write)
 {
     return io_enter(args->fd, (__u64)args->buf, 0, 1, SRC_SYSCALL);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args->ret, 1, 0); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_sendto)
 {
     return io_enter(args->fd, (__u64)args->buff, 0, 1, SRC_SYSCALL);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret, 1, 0); }
 
 #ifndef SITS_NO_SYSCALLS_SYS_ENTER_WRITEV
 TRACEPOINT_PROBE(syscalls, sys_enter_writev)
@@ -483,7 +513,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_writev)
 }
 #endif
 #ifndef SITS_NO_SYSCALLS_SYS_EXIT_WRITEV
-TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret, 1, 1); }
 #endif
 
 #ifndef SITS_NO_SYSCALLS_SYS_ENTER_SENDFILE64
@@ -493,7 +523,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64)
 }
 #endif
 #ifndef SITS_NO_SYSCALLS_SYS_EXIT_SENDFILE64
-TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return io_exit(args->ret, 1, 0); }
 #endif
 
 /* msghdr: msg_iov at offset 16, msg_iovlen at 24 (x86-64 and arm64 alike) */
@@ -518,7 +548,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg)
 }
 #endif
 #ifndef SITS_NO_SYSCALLS_SYS_EXIT_RECVMSG
-TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret, 0, 1); }
 #endif
 
 #ifndef SITS_NO_SYSCALLS_SYS_ENTER_SENDMSG
@@ -528,7 +558,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg)
 }
 #endif
 #ifndef SITS_NO_SYSCALLS_SYS_EXIT_SENDMSG
-TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret, 1, 1); }
 #endif
 
 /* ---- processes: exec (new libraries to probe) and exit (forget state) ---- */

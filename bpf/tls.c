@@ -205,13 +205,36 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
     ev->len = len;
     ev->direction = a.direction;
     ev->source = SRC_TLS;
-    __u64 n = len > SITS_MAX_PAYLOAD ? SITS_MAX_PAYLOAD : len;
-    asm volatile("" : "+r"(n));
-    if (n > SITS_MAX_PAYLOAD)
-        return 0;
-    bpf_probe_read_user(ev->payload, n, (void *)a.buf);
+    __u64 n = 0, split = 0;
+    if (st && st->tail) {
+        /* past the request's head: the read's last bytes only (events.h SITS_BODY_HEAD) */
+        ev->flags |= DATA_TAIL;
+        n = len > SITS_TAIL_BYTES ? SITS_TAIL_BYTES : len;
+        asm volatile("" : "+r"(n));
+        if (n > SITS_TAIL_BYTES)
+            return 0;
+        bpf_probe_read_user(ev->payload, n, (void *)(a.buf + len - n));
+    } else {
+        n = len > SITS_MAX_PAYLOAD ? SITS_MAX_PAYLOAD : len;
+        asm volatile("" : "+r"(n));
+        if (n > SITS_MAX_PAYLOAD)
+            return 0;
+        bpf_probe_read_user(ev->payload, n, (void *)a.buf);
+        /* a read longer than the capture: its last bytes as a second record (http.c) */
+        if (a.direction == 0 && len > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES) {
+            split = 1;
+            ev->len = len - SITS_TAIL_BYTES;
+        }
+    }
     if (emit_data(ev, n) < 0 && st)
         st->lost = 1; /* the next record of the connection carries DATA_LOST */
+    if (split) {
+        ev->flags = st ? capture_flags(st) : 0;
+        ev->len = SITS_TAIL_BYTES;
+        bpf_probe_read_user(ev->payload, SITS_TAIL_BYTES, (void *)(a.buf + len - SITS_TAIL_BYTES));
+        if (emit_data(ev, SITS_TAIL_BYTES) < 0 && st)
+            st->lost = 1;
+    }
     return 0;
 }
 

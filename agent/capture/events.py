@@ -22,6 +22,7 @@ from .wire import (
     DATA_HDR_SIZE,
     DATA_LOST,
     DATA_SAMPLE_SHIFT,
+    DATA_TAIL,
     STREAM_HEAD,
     STREAM_TAIL,
     TASK_COMM_LEN,
@@ -41,6 +42,7 @@ __all__ = [  # the wire names decoders and tests reach through this module
     "DATA_HDR_SIZE",
     "DATA_LOST",
     "DATA_SAMPLE_SHIFT",
+    "DATA_TAIL",
     "STREAM_HEAD",
     "STREAM_TAIL",
     "TASK_COMM_LEN",
@@ -101,6 +103,7 @@ class DataEvent:
     sample_shift: int = 0  # the exchange was captured as one in 2**sample_shift (load shedding)
     gap: bool = False  # whole exchanges were skipped on this connection just before
     lost: bool = False  # records of this connection were lost before it (ring full): resync
+    tail: bool = False  # payload is the last bytes of `length` (a long request body's rest)
 
 
 @dataclass(slots=True)
@@ -188,7 +191,7 @@ def _decode_data(raw: bytes) -> DataEvent:
         ts_exit_ns=t_exit, length=length, direction=_DIRECTIONS[direction],
         source=_SOURCES[source], role=_ROLES[role], payload=raw[DATA_HDR_SIZE:end],
         runq_us=runq_us, sample_shift=flags & DATA_SAMPLE_SHIFT, gap=bool(flags & DATA_GAP),
-        lost=bool(flags & DATA_LOST),
+        lost=bool(flags & DATA_LOST), tail=bool(flags & DATA_TAIL),
     )
 
 

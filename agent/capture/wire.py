@@ -26,6 +26,7 @@ AF_INET6 = 10
 DATA_SAMPLE_SHIFT = 0x1F  # struct data_event flags: this exchange stands for 2^shift
 DATA_GAP = 0x80  # struct data_event flags: whole exchanges were skipped before it
 DATA_LOST = 0x40  # struct data_event flags: records of the connection were lost before it
+DATA_TAIL = 0x20  # struct data_event flags: the payload is the last bytes of what moved
 RUNQ_SLOTS = 32  # sched.c: log2 buckets of runq_hist
 
 
@@ -173,7 +174,9 @@ class ConnStateC(ctypes.Structure):
         ("lost", ctypes.c_uint8),
         ("dribble", ctypes.c_uint8),
         ("agg", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 7),
+        ("tail", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 6),
+        ("run", ctypes.c_uint64),
     ]
 
 
@@ -476,6 +479,7 @@ CONSTANTS: Mapping[str, int] = {
     "DATA_SAMPLE_SHIFT": DATA_SAMPLE_SHIFT,
     "DATA_GAP": DATA_GAP,
     "DATA_LOST": DATA_LOST,
+    "DATA_TAIL": DATA_TAIL,
     "TASK_COMM_LEN": TASK_COMM_LEN,
     "AF_INET": AF_INET,
     "AF_INET6": AF_INET6,

@@ -213,6 +213,9 @@ class HttpConnParser:
             pos = 0
             h.feeds += 1
             h.msgs = 0
+            if chunk.tail and chunk.length > end:
+                # a long request body's later read: what came before its captured last bytes
+                self._uncaptured(h, chunk.length - end, chunk)
             while pos < end:
                 st = h.state
                 if st == _HEAD:
@@ -246,7 +249,7 @@ class HttpConnParser:
                             h.state = _CHUNK_CR
                 else:
                     pos = self._other_state(h, st, data, pos, chunk)
-            if chunk.length > end:
+            if chunk.length > end and not chunk.tail:
                 self._uncaptured(h, chunk.length - end, chunk)
         except Exception:  # noqa: BLE001 - a parser bug must not stop the pipeline
             self.stats.internal_errors += 1
@@ -618,6 +621,8 @@ class HttpConnParser:
             q.end_ns = chunk.ts_exit_ns
             if data and h.tap:
                 _tap_request(q, data)
+            elif n and h.tap:
+                q.body_tail = b""  # bytes not seen: the tail starts again after them
 
     def _chunk_size(self, h: _Half, data: bytes, pos: int, chunk: Chunk) -> int:
         nl = data.find(b"\n", pos)

@@ -339,7 +339,8 @@ class Tracer:
         elif ev.gap:
             c.parser.gap()
         c.info.sample_shift = ev.sample_shift
-        c.parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length))
+        c.parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length,
+                            ev.tail))
 
     def _on_stream(self, ev: StreamEvent) -> None:
         """A streamed response's body writes, folded in the kernel (bpf/stream.h)."""

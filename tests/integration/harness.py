@@ -319,6 +319,16 @@ def curl(url: str, *args: str, rid: str | None = None) -> subprocess.CompletedPr
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
 
+def interrupt(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """Ctrl-C a server and wait for it; killed when it does not exit within `timeout`."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def have(cmd: str) -> bool:
     return shutil.which(cmd) is not None
 

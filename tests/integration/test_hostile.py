@@ -66,14 +66,12 @@ def test_huge_upload_then_request_on_the_same_connection(nginx: Nginx) -> None:
     check_common(r)
     # the request after the upload is traced, unless the agent was shedding load then (one
     # exchange in 2^shift captured, each skipped one counted: CI's machine, loaded by another
-    # job, shed 11 exchanges around this upload once, the request among them) or the ring
-    # was full when it came and the loss was counted: every body read still goes out with
-    # 4 KiB of payload (the kernel does not know where a Content-Length body ends), and a
-    # clean-clone CI run lost 2489 of them with the agent at 0.94 cores, the request among them
-    assert len(r.traced("upload-after")) == 1 or r.stats["exchanges_shed"] > 0 or (
-        r.stats["lost_in_kernel"] > 0 and r.stats["capture_lost"] >= 1), r.line()
-    if r.stats["lost_in_kernel"]:
-        assert r.stats["capture_lost"] >= 1, r.line()
+    # job, shed 11 exchanges around this upload once, the request among them)
+    assert len(r.traced("upload-after")) == 1 or r.stats["exchanges_shed"] > 0, r.line()
+    # past its first 64 KiB the body's reads send their last 512 bytes, not 4 KiB each: the
+    # ring does not overflow (before: 30 MiB of payload into a 16 MiB ring, 2489 records lost
+    # in a clean-clone CI run and the next request among them; 10590 at 100 MiB)
+    assert r.stats["lost_in_kernel"] == 0, r.line()
     big = r.traced("upload-big")
     assert all(s["attributes"].get("error.type") in (None, "capture_gap") for s in big), big
 

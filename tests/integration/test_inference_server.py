@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from .harness import interrupt
+
 pytest.importorskip("fastapi", reason="the server needs fastapi (pip install fastapi uvicorn)")
 pytest.importorskip("openai", reason="the replay needs the openai SDK (pip install openai)")
 httpx = pytest.importorskip("httpx")
@@ -80,12 +82,7 @@ def server(tmp_path: Path) -> Generator[tuple[str, Path], None, None]:
         wait_healthy(url, proc)
         yield url, log
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
 
 
 def small_trace(tmp_path: Path, n: int) -> Path:

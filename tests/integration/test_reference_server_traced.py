@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 from sits_trace.agent.config import default_cpu_budget
 
-from .harness import Tracer, free_port, make_cert, wait_port
+from .harness import Tracer, free_port, interrupt, make_cert, wait_port
 
 pytestmark = pytest.mark.bpf
 for _m in ("fastapi", "uvicorn", "uvloop", "openai", "httpx"):
@@ -77,11 +76,7 @@ def test_reference_server_under_the_sdk_at_the_default_budget(tmp_path: Path) ->
                                            if not r.ok][:5]
         time.sleep(1.0)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        interrupt(server, timeout=15)
         err = tracer.stop()
     stats = err.splitlines()
     assert any("exchanges_shed=0 " in x for x in stats), err[-800:]

@@ -19,6 +19,7 @@ from sits_trace.agent.capture.events import (
     _DATA_HDR,
     DATA_GAP,
     DATA_LOST,
+    DATA_TAIL,
     ConnEventC,
     Kind,
     decode,
@@ -87,6 +88,37 @@ def test_decode_reads_the_lost_flag() -> None:
     assert ev.lost and not ev.gap and ev.sample_shift == 3  # type: ignore[union-attr]
     ev = decode(data_rec(1, IN, b"x", flags=DATA_GAP))
     assert ev.gap and not ev.lost  # type: ignore[union-attr]
+
+
+def test_tail_records_of_a_long_body_keep_its_size_and_end(tmp_path: Path) -> None:
+    """Past a request's first 64 KiB the kernel sends each read's last bytes (DATA_TAIL):
+    decoded with the flag, fed as uncaptured bytes before the tail; the span has the body's
+    exact size, the trailing GenAI fields, and the next request on the connection."""
+    ev = decode(data_rec(1, IN, b"x", length=9, flags=DATA_TAIL))
+    assert ev.tail and not ev.lost and not ev.gap  # type: ignore[union-attr]
+    t, spans = tracer(tmp_path)
+    size = 300_000
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n" % size)
+    first = 65536 - len(head)
+    recs = [conn_rec(Kind.CONN_OPEN, 1),
+            data_rec(1, IN, head + b'{"prompt": "' + b"p" * 4000, length=65536, ts=10)]
+    left, ts = size - first, 20
+    end = b'", "model": "m-tail", "max_tokens": 5}'
+    while left:
+        n = min(left, 65536)
+        left -= n
+        tail = (b"p" * 512 + end)[-512:] if not left else b"p" * 512
+        recs.append(data_rec(1, IN, tail, length=n, ts=ts, flags=DATA_TAIL))
+        ts += 10
+    recs += [data_rec(1, OUT, OK, ts=ts),
+             data_rec(1, IN, b"GET /after HTTP/1.1\r\nHost: h\r\n\r\n", ts=ts + 10),
+             data_rec(1, OUT, OK, ts=ts + 11)]
+    t.process(recs)
+    t.close_all()
+    assert attrs(spans) == [("POST", "/v1/completions", 200, None), ("GET", "/after", 200, None)]
+    a = spans[0].attributes
+    assert a["http.request.body.size"] == size
+    assert (a.get("gen_ai.request.model"), a.get("gen_ai.request.max_tokens")) == ("m-tail", 5)
 
 
 def test_upload_with_lost_records_then_next_request_is_traced(tmp_path: Path) -> None:
@@ -203,4 +235,5 @@ def test_identity_headers_after_the_64th_are_kept() -> None:
 def test_mirror_offsets_cover_the_flags() -> None:
     # the loss flag shares `flags` with the sample shift (0x1f) and the gap (0x80)
     assert DATA_LOST & 0x1F == 0 and DATA_LOST & DATA_GAP == 0
+    assert DATA_TAIL & (0x1F | DATA_GAP | DATA_LOST) == 0
     assert ctypes.sizeof(ConnEventC) > 0

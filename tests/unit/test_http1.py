@@ -742,3 +742,30 @@ def test_gap_with_request_but_no_response() -> None:
     run.feed(req(b"GET /c HTTP/1.1\r\nHost: h\r\n\r\n"), resp(OK))
     assert [summary(e) for e in run.out] == [("GET", "/a", 0, None, None, "capture_gap"),
                                              ("GET", "/c", 0, 200, 2, None)]
+
+
+def test_a_long_request_body_sent_as_tails_keeps_length_tail_and_sync() -> None:
+    """Past its first SITS_BODY_HEAD bytes a request body's reads carry only their last
+    bytes (DATA_TAIL): the body's length stays exact, the tail the GenAI attributes read
+    (a prompt's trailing "model") is the last read's, and the next request parses."""
+    total = 200_000
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json"
+            b"\r\nContent-Length: " + str(total).encode() + b"\r\n\r\n")
+    first = 65_536  # the read that carried the head and the body's start
+    end = b'"}], "model": "tail-model", "max_tokens": 7}'
+    run = new().feed(req(head + b'{"messages": [{"role": "user", "content": "' + b"x" * 4000,
+                         first))
+    left = total - (first - len(head))
+    reads = []
+    while left:
+        n = min(left, 16_384)
+        left -= n
+        last = (b"x" * 512 + end)[-min(n, 512):] if not left else b"x" * min(n, 512)
+        c = req(last, n)
+        reads.append(Chunk(c.direction, c.ts_enter_ns, c.ts_exit_ns, c.data, c.length, True))
+    run.feed(*reads, resp(OK), req(GET), resp(OK))
+    assert [summary(e) for e in run.out] == [
+        ("POST", "/v1/chat/completions", total, 200, 2, None), ("GET", "/a", 0, 200, 2, None)]
+    assert run.out[0].request.body_tail.endswith(end)
+    assert b"x" * 600 not in run.out[0].request.body_tail  # one read's tail, not a join
+    assert run.stats.internal_errors == 0

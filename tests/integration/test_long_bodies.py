@@ -1,0 +1,81 @@
+"""Long request bodies (10 KB and 300 KB prompts) to the reference server, plain and over TLS
+(uvloop's memory BIOs). A read longer than the 4 KiB captured sends its last bytes as a
+second record; past its first 64 KiB a body's reads send only their last bytes (bpf/events.h
+SITS_BODY_HEAD). Each span keeps the body's exact size and the GenAI fields the prompt
+carries at its end (where the openai SDK writes "model" and "max_tokens"), the request after
+them on the same connection is traced, and nothing is lost in the ring."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .harness import Tracer, free_port, interrupt, make_cert, wait_port
+
+pytestmark = pytest.mark.bpf
+for _m in ("fastapi", "uvicorn", "uvloop"):
+    pytest.importorskip(_m)
+
+SERVER = Path(__file__).resolve().parents[2] / "examples" / "inference_server.py"
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_long_prompt_keeps_its_size_and_trailing_fields(tmp_path: Path, tls: bool) -> None:
+    port = free_port()
+    tls_args: list[str] = []
+    if tls:
+        key, crt = make_cert(tmp_path)
+        tls_args = ["--tls-cert", str(crt), "--tls-key", str(key)]
+    tracer = Tracer("--pid", str(os.getpid()))
+    server = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", str(port), "--loop", "uvloop", *tls_args,
+         "--backend", "numpy", "--hidden", "64", "--vocab", "1024",
+         "--control-socket", str(tmp_path / "no-agent.sock")], stderr=subprocess.PIPE)
+    sent: list[tuple[str, int]] = []
+    try:
+        wait_port(port, timeout=60)
+        time.sleep(1.5)  # the exec rescans find libssl
+        conn: http.client.HTTPConnection
+        if tls:
+            conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=30,
+                                               context=ssl._create_unverified_context())
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for i, n in enumerate((10_000, 300_000, 300_000)):
+            # the fields GenAI attributes read come last (as the openai SDK writes them),
+            # after 10 KB of prompt (one read longer than the 4 KiB captured: its last bytes
+            # go out as a second record) or 300 KB (most reads past the first 64 KiB)
+            body = json.dumps({"messages": [{"role": "user", "content": "w" * n}],
+                               "model": f"tail-model-{i}", "max_tokens": 3 + i}).encode()
+            rid = f"long-{tls}-{i}-{time.time_ns()}"
+            conn.request("POST", "/v1/chat/completions", body=body,
+                         headers={"content-type": "application/json", "x-request-id": rid})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()[:200]
+            resp.read()
+            sent.append((rid, len(body)))
+        after = f"long-after-{tls}-{time.time_ns()}"
+        conn.request("GET", "/v1/models", headers={"x-request-id": after})
+        assert conn.getresponse().read()
+        conn.close()
+        for i, (rid, size) in enumerate(sent):
+            spans = [s for s in tracer.by_request_id(rid) if s["kind"] == "SERVER"]
+            assert len(spans) == 1, (rid, spans)
+            a = spans[0]["attributes"]
+            assert a["http.request.body.size"] == size, a
+            assert a.get("gen_ai.request.model") == f"tail-model-{i}", a
+            assert a.get("gen_ai.request.max_tokens") == 3 + i, a
+            assert a.get("error.type") is None, a
+        assert len([s for s in tracer.by_request_id(after) if s["kind"] == "SERVER"]) == 1
+    finally:
+        interrupt(server)
+        err = tracer.stop()
+    assert any("lost_in_kernel=0 " in x for x in err.splitlines()), err[-800:]
