@@ -129,8 +129,8 @@ def tracer() -> Iterator[Tracer]:
 def check_spans(tracer: Tracer, pid: int, logged: dict[str, dict[str, Any]]) -> None:
     bad = []
     for rid, row in logged.items():
-        spans = [s for s in tracer.by_request_id(rid, timeout=10)
-                 if s["kind"] == "SERVER" and s["attributes"].get("process.pid") == pid]
+        spans = [s for s in tracer.by_request_id(rid, timeout=10, kind="SERVER")
+                 if s["attributes"].get("process.pid") == pid]
         if len(spans) != 1:
             bad.append((rid, f"{len(spans)} server spans"))
             continue
