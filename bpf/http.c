@@ -441,7 +441,7 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
         bpf_probe_read_user(ev->payload, n, (void *)(a.buf + tail * (ret - n)));
         captured = n;
         /* a read longer than the capture: its last bytes go out as a second record (a 10 KB
-         * prompt read at once keeps the "model" and "max_tokens" the SDKs write after the
+         * prompt read at once keeps the "max_tokens" the openai SDK writes after the
          * messages; a client's read keeps a response's trailing "usage") */
         if (!dir && !tail && ret > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES) {
             split = 1;

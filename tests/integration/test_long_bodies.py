@@ -2,12 +2,14 @@
 (uvloop's memory BIOs). A read longer than the 4 KiB captured sends its last bytes as a
 second record; past its first 64 KiB a body's reads send only their last bytes (bpf/events.h
 SITS_BODY_HEAD). Each span keeps the body's exact size and the GenAI fields the prompt
-carries at its end (where the openai SDK writes "model" and "max_tokens"), the request after
+carries at its end (the openai SDK writes "max_tokens" after the messages; "model" is put
+there too, as other clients do), the request after
 them on the same connection is traced, and nothing is lost in the ring."""
 
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import os
 import ssl
@@ -50,7 +52,7 @@ def test_a_long_prompt_keeps_its_size_and_trailing_fields(tmp_path: Path, tls: b
         else:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         for i, n in enumerate((10_000, 300_000, 300_000)):
-            # the fields GenAI attributes read come last (as the openai SDK writes them),
+            # the fields GenAI attributes read come last (max_tokens as the openai SDK writes it),
             # after 10 KB of prompt (one read longer than the 4 KiB captured: its last bytes
             # go out as a second record) or 300 KB (most reads past the first 64 KiB)
             body = json.dumps({"messages": [{"role": "user", "content": "w" * n}],
@@ -79,3 +81,35 @@ def test_a_long_prompt_keeps_its_size_and_trailing_fields(tmp_path: Path, tls: b
         interrupt(server)
         err = tracer.stop()
     assert any("lost_in_kernel=0 " in x for x in err.splitlines()), err[-800:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="needs the openai SDK")
+def test_the_openai_sdk_max_tokens_after_a_long_prompt(tmp_path: Path) -> None:
+    """The openai SDK writes "model" before the messages and "max_tokens" after them: with a
+    prompt longer than the 4 KiB captured, max_tokens is in the read's last bytes only (it
+    was missing from the span before they were sent)."""
+    import openai
+
+    port = free_port()
+    tracer = Tracer("--pid", str(os.getpid()))
+    server = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", str(port), "--loop", "uvloop",
+         "--backend", "numpy", "--hidden", "64", "--vocab", "1024",
+         "--control-socket", str(tmp_path / "no-agent.sock")], stderr=subprocess.PIPE)
+    try:
+        wait_port(port, timeout=60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        for n in (10_000, 300_000):
+            rid = f"sdk-{n}-{time.time_ns()}"
+            client.chat.completions.create(
+                model="sdk-model", messages=[{"role": "user", "content": "w" * n}],
+                max_tokens=4, extra_headers={"x-request-id": rid})
+            spans = tracer.by_request_id(rid, kind="SERVER")
+            assert len(spans) == 1, (rid, spans)
+            a = spans[0]["attributes"]
+            assert a.get("gen_ai.request.model") == "sdk-model", a
+            assert a.get("gen_ai.request.max_tokens") == 4, a
+            assert a["http.request.body.size"] > n, a
+    finally:
+        interrupt(server)
+        tracer.stop()
