@@ -243,6 +243,31 @@ def test_a_mix_shift_with_the_same_sizes_does_not_lead() -> None:
     assert max(s, key=lambda c: s[c]) == C.REQUEST_MIX_SHIFT, s
 
 
+def test_a_mix_shift_whose_term_explains_less_than_the_cpu_does_not_lead() -> None:
+    """CI at b509484, the live CPU test's first fault window: request_mix_shift 0.21 (chunks
+    +9%, request bytes +0.6%, its term at most 0.25 ms) above cpu_starvation 0.10, whose
+    run-queue term explained 1.6 ms with the stress-ng culprit. Sizes that did not grow by
+    10% and a term below the CPU's: the CPU leads. With the requests 1.5x longer, or a mix
+    term above the CPU's, the mix shift keeps its lead."""
+    from sits_trace.analyzers.rca import causes as C
+    from sits_trace.analyzers.rca import rank
+    from sits_trace.analyzers.rca.decompose import Decomposition
+
+    sig = {"chunks": (15.8571, 17.2857), "req_bytes": (54.5486, 54.8571),
+           "resp_bytes": (404.2743, 439.4286)}
+    model = {C.REQUEST_MIX_SHIFT: 0.2124, C.CPU_STARVATION: 0.1026, C.UNKNOWN: 0.0339}
+
+    def top(mix_ms: float, chunks: float = 17.2857) -> str:
+        d = Decomposition("ttft_ms", 11.47, 20.584, {C.CPU_STARVATION: 1.606,
+                                                     C.REQUEST_MIX_SHIFT: mix_ms},
+                          dict(sig, chunks=(15.8571, chunks)))
+        s = rank.consistent(d, model)
+        return max(s, key=lambda c: s[c])
+
+    assert top(0.25) == C.CPU_STARVATION
+    assert top(0.25, chunks=15.8571 * 1.5) == C.REQUEST_MIX_SHIFT
+    assert top(2.0) == C.REQUEST_MIX_SHIFT
+
 def test_weights_read_back_from_disk_are_a_memory_stall_by_the_io_stall() -> None:
     """mem-24: a competitor squeezed 10% of the server's mmap'd weights out; its major faults
     rose from 0 to ~250/s, TTFT p95 8.7 -> 28 ms, and the memory stall did not move (pages
