@@ -284,12 +284,42 @@ static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 io
         /* keep the masks: the verifier must see both bounds at the call */
         asm volatile("%0 &= %1" : "+r"(o) : "i"(SITS_MAX_PAYLOAD - 1));
         asm volatile("%0 &= %1" : "+r"(n) : "i"(SITS_MAX_PAYLOAD - 1));
-        if (n == 0)
-            break; /* len == SITS_MAX_PAYLOAD only when off == 0: the buffer is full */
+        if (n == 0) {
+            /* len == SITS_MAX_PAYLOAD, only when off == 0: a first entry as long as the
+             * capture or longer fills it (before, it was taken for a full buffer and
+             * nothing was copied: node's writev of a long response lost its head) */
+            bpf_probe_read_user(ev->payload, SITS_MAX_PAYLOAD, (void *)base);
+            *at = SITS_MAX_PAYLOAD;
+            break;
+        }
         bpf_probe_read_user(ev->payload + o, n, (void *)base);
         *at = off + n;
     }
     return *at;
+}
+
+/* the last SITS_TAIL_BYTES of an iovec transfer of `total` bytes into ev->payload, when the
+ * entry they end in holds them all (a writev of a response's head and body: the body's
+ * end). Walks the entries' lengths to the one where `total` ends, so a partial write sends
+ * the bytes it wrote, not the entry's end. 1 when read, 0 when not. */
+static __always_inline int iov_tail(struct data_event *ev, __u64 iov, __u32 iovcnt, __u64 total)
+{
+    __u64 sum = 0;
+    for (int i = 0; i < SITS_MAX_IOV; i++) {
+        if (i >= iovcnt)
+            break;
+        __u64 ent[2] = {};
+        bpf_probe_read_user(ent, sizeof(ent), (void *)(iov + i * 16));
+        if (sum + ent[1] >= total) {
+            __u64 inside = total - sum; /* this entry's bytes that were transferred */
+            if (inside < SITS_TAIL_BYTES)
+                return 0;
+            return bpf_probe_read_user(ev->payload, SITS_TAIL_BYTES,
+                                       (void *)(ent[0] + inside - SITS_TAIL_BYTES)) == 0;
+        }
+        sum += ent[1];
+    }
+    return 0;
 }
 
 /* does the write start with a TLS record header (content type 20..23, version 3.x)? */
@@ -430,8 +460,13 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
     if (a.source == SRC_SENDFILE) {
         captured = 0;
     } else if (vec) {
-        if (!tail) /* past the request's head, an iovec read sends its length only */
+        if (!tail) { /* past the request's head, an iovec read sends its length only */
             captured = copy_iov(ev, a.buf, a.iovcnt, ret);
+            if (ret > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES) {
+                split = 1; /* as below: the last bytes as a second record */
+                ev->len = ret - SITS_TAIL_BYTES;
+            }
+        }
     } else {
         __u64 cap = SITS_MAX_PAYLOAD - tail * (SITS_MAX_PAYLOAD - SITS_TAIL_BYTES);
         __u64 n = ret > cap ? cap : ret;
@@ -440,10 +475,11 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
             return 0;
         bpf_probe_read_user(ev->payload, n, (void *)(a.buf + tail * (ret - n)));
         captured = n;
-        /* a read longer than the capture: its last bytes go out as a second record (a 10 KB
-         * prompt read at once keeps the "max_tokens" the openai SDK writes after the
-         * messages; a client's read keeps a response's trailing "usage") */
-        if (!dir && !tail && ret > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES) {
+        /* a read or write longer than the capture: its last bytes go out as a second record
+         * (a 10 KB prompt read at once keeps the "max_tokens" the openai SDK writes after
+         * the messages; a non-streamed completion's write, and a client's read of it, keep
+         * the "usage" that ends it) */
+        if (!tail && ret > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES) {
             split = 1;
             ev->len = ret - SITS_TAIL_BYTES;
         }
@@ -457,11 +493,15 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
     }
     if (emit_data(ev, captured) < 0)
         st->lost = 1; /* the next record of the connection carries DATA_LOST */
-    if (!dir && split) {
+    if (split) {
         ev->flags = capture_flags(st);
         ev->len = SITS_TAIL_BYTES;
-        bpf_probe_read_user(ev->payload, SITS_TAIL_BYTES, (void *)(a.buf + ret - SITS_TAIL_BYTES));
-        if (emit_data(ev, SITS_TAIL_BYTES) < 0)
+        __u64 n = SITS_TAIL_BYTES;
+        if (vec) /* not held by one entry: the length alone (uncaptured bytes) */
+            n = iov_tail(ev, a.buf, a.iovcnt, ret) ? SITS_TAIL_BYTES : 0;
+        else
+            bpf_probe_read_user(ev->payload, SITS_TAIL_BYTES, (void *)(a.buf + ret - SITS_TAIL_BYTES));
+        if (emit_data(ev, n) < 0)
             st->lost = 1;
     }
     return 0;

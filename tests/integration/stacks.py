@@ -219,7 +219,8 @@ async function answer(req, res, body) {
   } else {
     await sleep(GAP * n);
     const out = JSON.stringify({id: "c1", object: "chat.completion", model: rec.model,
-      choices: [{index: 0, finish_reason: "length", message: {role: "assistant", content: "w"}}],
+      choices: [{index: 0, finish_reason: "length", message: {role: "assistant",
+        content: Array.from({length: n}, (_, i) => "w" + i).join(" ")}}],
       usage});
     res.writeHead(200, {"content-type": "application/json", "content-length": Buffer.byteLength(out)});
     res.end(out);

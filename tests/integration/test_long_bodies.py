@@ -1,5 +1,5 @@
 """Long request bodies (10 KB and 300 KB prompts) to the reference server, plain and over TLS
-(uvloop's memory BIOs). A read longer than the 4 KiB captured sends its last bytes as a
+(uvloop's memory BIOs). A read or write longer than the 4 KiB captured sends its last bytes as a
 second record; past its first 64 KiB a body's reads send only their last bytes (bpf/events.h
 SITS_BODY_HEAD). Each span keeps the body's exact size and the GenAI fields the prompt
 carries at its end (the openai SDK writes "max_tokens" after the messages; "model" is put
@@ -12,6 +12,7 @@ import http.client
 import importlib.util
 import json
 import os
+import shutil
 import ssl
 import subprocess
 import sys
@@ -113,3 +114,102 @@ def test_the_openai_sdk_max_tokens_after_a_long_prompt(tmp_path: Path) -> None:
     finally:
         interrupt(server)
         tracer.stop()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_long_response_keeps_its_trailing_usage(tmp_path: Path, tls: bool) -> None:
+    """A non-streamed completion whose JSON is longer than the 4 KiB captured: "usage" comes
+    last in it (after the choices), so the server's write of the body sends its last bytes as
+    a second record; the SERVER span has the output tokens and the body's exact size."""
+    port = free_port()
+    tls_args: list[str] = []
+    if tls:
+        key, crt = make_cert(tmp_path)
+        tls_args = ["--tls-cert", str(crt), "--tls-key", str(key)]
+    tracer = Tracer("--pid", str(os.getpid()))
+    server = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", str(port), "--loop", "uvloop", *tls_args,
+         "--backend", "numpy", "--hidden", "64", "--vocab", "1024",
+         "--control-socket", str(tmp_path / "no-agent.sock")], stderr=subprocess.PIPE)
+    try:
+        wait_port(port, timeout=60)
+        time.sleep(1.5)  # the exec rescans find libssl
+        conn: http.client.HTTPConnection
+        if tls:
+            conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=60,
+                                               context=ssl._create_unverified_context())
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for tokens in (2000, 4000):
+            rid = f"long-out-{tls}-{tokens}-{time.time_ns()}"
+            body = json.dumps({"messages": [{"role": "user", "content": "hello"}],
+                               "model": "m", "max_tokens": tokens}).encode()
+            conn.request("POST", "/v1/chat/completions", body=body,
+                         headers={"content-type": "application/json", "x-request-id": rid})
+            resp = conn.getresponse()
+            data = resp.read()
+            assert resp.status == 200, data[:200]
+            out = json.loads(data)
+            assert out["usage"]["completion_tokens"] == tokens
+            assert len(data) > 8192, len(data)
+            spans = tracer.by_request_id(rid, kind="SERVER")
+            assert len(spans) == 1, (rid, spans)
+            a = spans[0]["attributes"]
+            assert a.get("gen_ai.usage.output_tokens") == tokens, a
+            assert a.get("gen_ai.usage.input_tokens") == out["usage"]["prompt_tokens"], a
+            assert a["http.response.body.size"] == len(data), a
+        conn.close()
+    finally:
+        interrupt(server)
+        err = tracer.stop()
+    assert any("lost_in_kernel=0 " in x for x in err.splitlines()), err[-800:]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_long_response_written_with_writev_keeps_its_trailing_usage(tmp_path: Path,
+                                                                       tls: bool) -> None:
+    """node corks a response's head and body into one writev: the body's last bytes are in
+    the last iovec entry, sent as the second record; over TLS node's SSL_write."""
+    from .stacks import NODE_APP
+
+    port = free_port()
+    (tmp_path / "app.js").write_text(NODE_APP)
+    log = tmp_path / "server.log"
+    tls_args = [str(p) for p in make_cert(tmp_path)] if tls else []
+    tracer = Tracer("--pid", str(os.getpid()))
+    server = subprocess.Popen(
+        [shutil.which("node") or "node", "app.js", str(port), str(log), *tls_args],
+        cwd=tmp_path, env={"PATH": os.environ["PATH"], "SITS_TEST_GAP": "0.0001"},
+        stderr=subprocess.PIPE)
+    try:
+        wait_port(port, timeout=30)
+        time.sleep(1.5)  # the exec rescans find libssl
+        conn: http.client.HTTPConnection
+        if tls:
+            conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=60,
+                                               context=ssl._create_unverified_context())
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for tokens in (2000, 4000):
+            rid = f"writev-out-{tls}-{tokens}-{time.time_ns()}"
+            body = json.dumps({"messages": [{"role": "user", "content": "two words"}],
+                               "model": "m", "max_tokens": tokens}).encode()
+            conn.request("POST", "/v1/chat/completions", body=body,
+                         headers={"content-type": "application/json", "x-request-id": rid})
+            resp = conn.getresponse()
+            data = resp.read()
+            assert resp.status == 200, data[:200]
+            assert json.loads(data)["usage"]["completion_tokens"] == tokens
+            assert len(data) > 8192, len(data)
+            spans = tracer.by_request_id(rid, kind="SERVER")
+            assert len(spans) == 1, (rid, spans)
+            a = spans[0]["attributes"]
+            assert a.get("gen_ai.usage.output_tokens") == tokens, a
+            assert a.get("gen_ai.usage.input_tokens") == 2, a
+            assert a["http.response.body.size"] == len(data), a
+        conn.close()
+    finally:
+        interrupt(server)
+        err = tracer.stop()
+    assert any("lost_in_kernel=0 " in x for x in err.splitlines()), err[-800:]
