@@ -190,7 +190,7 @@ struct conn_state {
     __u8 agg;      /* a streamed response is being folded in `streams` (stream.h) */
     __u8 tail;     /* this read/write is past SITS_BODY_HEAD bytes of its request: tail only */
     __u8 _pad[6];
-    __u64 run;     /* bytes moved since the current exchange began (its first request byte) */
+    __u64 run;     /* bytes moved in the exchange's current direction, this transfer's included */
 };
 
 BPF_RINGBUF_OUTPUT(events, SITS_RINGBUF_PAGES);
@@ -399,6 +399,11 @@ static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, _
                 shed.update(&key, &one);
         }
     }
+    /* `run` counts the bytes of the exchange's current direction: it restarts when the
+     * response begins (x = 0 when the direction is the same as the last one's) */
+    __u64 x = st->last_dir ^ cur;
+    asm volatile("" : "+r"(x));
+    st->run *= 1 - (((x | (0 - x)) >> 63) & 1);
     st->last_dir = cur;
     /* tail = this is the request's direction and SITS_BODY_HEAD bytes went before, computed
      * without branches: each branch here multiplies the verifier's paths in every caller
