@@ -341,7 +341,7 @@ class Result:
         return [s for s in self.spans if rid_of(s).startswith(prefix)]
 
     def line(self) -> str:
-        keys = ("spans", "lost_in_kernel", "exchanges_shed", "capture_shift", "capture_lost",
+        keys = ("spans", "records", "lost_in_kernel", "exchanges_shed", "capture_shift", "capture_lost",
                 "requests_uncaptured", "dribbles", "parser_malformed", "conns_expired",
                 "conns_active")
         st = " ".join(f"{k}={self.stats.get(k, 0)}" for k in keys)

@@ -189,7 +189,8 @@ struct conn_state {
     __u8 dribble;  /* small request reads in the current exchange (slowloris bound) */
     __u8 agg;      /* a streamed response is being folded in `streams` (stream.h) */
     __u8 tail;     /* this read/write is past SITS_BODY_HEAD bytes of its request: tail only */
-    __u8 _pad[6];
+    __u8 fold;     /* reads of a long request body are being folded in `body_folds` (http.c) */
+    __u8 _pad[5];
     __u64 run;     /* bytes moved in the exchange's current direction, this transfer's included */
 };
 
@@ -235,7 +236,8 @@ BPF_PERCPU_ARRAY(dribbles, __u64, 1);
  * the same request (bytes moved one way with no reply between) sends only its last
  * SITS_TAIL_BYTES, flagged DATA_TAIL: the length stays exact and the body's tail (a prompt's
  * trailing "model" or "max_tokens") is still seen. A 30 MiB upload read 4 KiB at a time sent
- * 30 MiB of payload into a 16 MiB ring before, and the ring overflowed (test_hostile). */
+ * 30 MiB of payload into a 16 MiB ring before, and the ring overflowed (test_hostile). On
+ * plain sockets those later reads are folded into one such record (http.c body_folds). */
 #ifndef SITS_BODY_HEAD
 #define SITS_BODY_HEAD 65536
 #endif

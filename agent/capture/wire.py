@@ -175,7 +175,8 @@ class ConnStateC(ctypes.Structure):
         ("dribble", ctypes.c_uint8),
         ("agg", ctypes.c_uint8),
         ("tail", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 6),
+        ("fold", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 5),
         ("run", ctypes.c_uint64),
     ]
 
@@ -436,7 +437,7 @@ STRUCTS: Mapping[str, tuple[str, Structure]] = {
 }
 # structs that never leave the kernel: per-call and per-thread scratch state
 KERNEL_ONLY = frozenset({"accept_args", "connect_args", "io_args", "ssl_active", "thread_io",
-                         "read_prefix", "ssl_key", "data_scratch_t", "cuda_call"})
+                         "read_prefix", "ssl_key", "data_scratch_t", "cuda_call", "body_fold"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,14 @@ for _m in ("fastapi", "uvicorn", "uvloop"):
 SERVER = Path(__file__).resolve().parents[2] / "examples" / "inference_server.py"
 
 
+def _reference_server(port: int, tmp_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """examples/inference_server.py on uvloop, a tiny numpy model, no agent to ask."""
+    return subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", str(port), "--loop", "uvloop", *extra,
+         "--backend", "numpy", "--hidden", "64", "--vocab", "1024",
+         "--control-socket", str(tmp_path / "no-agent.sock")], stderr=subprocess.PIPE)
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_a_long_prompt_keeps_its_size_and_trailing_fields(tmp_path: Path, tls: bool) -> None:
     port = free_port()
@@ -38,10 +47,7 @@ def test_a_long_prompt_keeps_its_size_and_trailing_fields(tmp_path: Path, tls: b
         key, crt = make_cert(tmp_path)
         tls_args = ["--tls-cert", str(crt), "--tls-key", str(key)]
     tracer = Tracer("--pid", str(os.getpid()))
-    server = subprocess.Popen(
-        [sys.executable, str(SERVER), "--port", str(port), "--loop", "uvloop", *tls_args,
-         "--backend", "numpy", "--hidden", "64", "--vocab", "1024",
-         "--control-socket", str(tmp_path / "no-agent.sock")], stderr=subprocess.PIPE)
+    server = _reference_server(port, tmp_path, *tls_args)
     sent: list[tuple[str, int]] = []
     try:
         wait_port(port, timeout=60)
@@ -93,10 +99,7 @@ def test_the_openai_sdk_max_tokens_after_a_long_prompt(tmp_path: Path) -> None:
 
     port = free_port()
     tracer = Tracer("--pid", str(os.getpid()))
-    server = subprocess.Popen(
-        [sys.executable, str(SERVER), "--port", str(port), "--loop", "uvloop",
-         "--backend", "numpy", "--hidden", "64", "--vocab", "1024",
-         "--control-socket", str(tmp_path / "no-agent.sock")], stderr=subprocess.PIPE)
+    server = _reference_server(port, tmp_path)
     try:
         wait_port(port, timeout=60)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
@@ -127,10 +130,7 @@ def test_a_long_response_keeps_its_trailing_usage(tmp_path: Path, tls: bool) -> 
         key, crt = make_cert(tmp_path)
         tls_args = ["--tls-cert", str(crt), "--tls-key", str(key)]
     tracer = Tracer("--pid", str(os.getpid()))
-    server = subprocess.Popen(
-        [sys.executable, str(SERVER), "--port", str(port), "--loop", "uvloop", *tls_args,
-         "--backend", "numpy", "--hidden", "64", "--vocab", "1024",
-         "--control-socket", str(tmp_path / "no-agent.sock")], stderr=subprocess.PIPE)
+    server = _reference_server(port, tmp_path, *tls_args)
     try:
         wait_port(port, timeout=60)
         time.sleep(1.5)  # the exec rescans find libssl
@@ -213,3 +213,65 @@ def test_a_long_response_written_with_writev_keeps_its_trailing_usage(tmp_path: 
         interrupt(server)
         err = tracer.stop()
     assert any("lost_in_kernel=0 " in x for x in err.splitlines()), err[-800:]
+
+
+def test_a_slow_upload_is_folded_and_keeps_its_size_and_trailing_fields(tmp_path: Path) -> None:
+    """A 1 MB prompt sent in 64 KiB pieces over ~2.5 s: past its first 64 KiB the reads are
+    folded in the kernel (bpf/http.c body_folds) and sent once a second and when the response
+    begins; the span has the body's exact size and the fields after the prompt, and the
+    server's reads came as a few records, not one per read."""
+    port = free_port()
+    rec = tmp_path / "records.bin"
+    tracer = Tracer("--pid", str(os.getpid()), "--record", str(rec))
+    server = _reference_server(port, tmp_path)
+    try:
+        wait_port(port, timeout=60)
+        body = json.dumps({"messages": [{"role": "user", "content": "w" * 1_000_000}],
+                           "model": "slow-model", "max_tokens": 7}).encode()
+        pieces = [body[i:i + 65536] for i in range(0, len(body), 65536)]
+
+        def paced() -> Iterator[bytes]:
+            for p in pieces:
+                yield p
+                time.sleep(0.16)
+
+        rid = f"slow-upload-{time.time_ns()}"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", body=paced(),
+                     headers={"content-type": "application/json", "x-request-id": rid,
+                              "content-length": str(len(body))})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:200]
+        resp.read()
+        conn.close()
+        spans = tracer.by_request_id(rid, kind="SERVER")
+        assert len(spans) == 1, (rid, spans)
+        a = spans[0]["attributes"]
+        assert a["http.request.body.size"] == len(body), a
+        assert a.get("gen_ai.request.model") == "slow-model", a
+        assert a.get("gen_ai.request.max_tokens") == 7, a
+        assert a.get("error.type") is None, a
+    finally:
+        interrupt(server)
+        err = tracer.stop()
+    assert any("lost_in_kernel=0 " in x for x in err.splitlines()), err[-800:]
+    # the server's reads of the request, as the ring carried them: the head's (the first
+    # 64 KiB: a record and its split tail), then a fold a second and one when the response
+    # began. Before the fold: a record per read past the head (17 in all here)
+    from sits_trace.agent.capture.events import DataEvent, DecodeError, decode
+    from sits_trace.agent.capture.loader import RecordedSource
+    from sits_trace.agent.model import Direction, Role
+
+    src, reads = RecordedSource(rec), []
+    while not src.exhausted:
+        for raw in src.read(0):
+            try:
+                e = decode(raw)
+            except DecodeError:
+                continue  # TCP and scheduler records: their own decoders
+            if (isinstance(e, DataEvent) and e.pid == server.pid and e.role == Role.SERVER
+                    and e.direction == Direction.INGRESS):
+                reads.append(e)
+    assert sum(e.length for e in reads) == len(body) + reads[0].payload.index(b"\r\n\r\n") + 4
+    folds = [e for e in reads if e.tail]
+    assert 2 <= len(folds) <= 4 and len(reads) <= 6, [(e.length, e.tail) for e in reads]
