@@ -245,6 +245,17 @@ BPF_PERCPU_ARRAY(dribbles, __u64, 1);
 #define SITS_TAIL_BYTES (SITS_MAX_PAYLOAD < 512 ? SITS_MAX_PAYLOAD : 512)
 #endif
 
+/* A transfer longer than the capture sends its last SITS_TAIL_BYTES as a second record (a
+ * 10 KB prompt read at once keeps the "max_tokens" the openai SDK writes after the messages;
+ * a non-streamed completion's write, and a client's read of it, keep the "usage" that ends
+ * it); a write only in its direction's first SITS_BODY_HEAD bytes, so a 1 MB download's
+ * later writes stay one record each. `st` may be 0 (tls.c before the connection is known). */
+static __always_inline int splits_tail(struct conn_state *st, __u8 dir, __u64 len)
+{
+    return len > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES &&
+           (dir == 0 || !st || st->run - len < SITS_BODY_HEAD);
+}
+
 #ifndef SITS_SCHED
 #define SITS_SCHED 0 /* 1: sched.c is loaded */
 #endif

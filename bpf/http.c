@@ -563,8 +563,8 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
     } else if (vec) {
         if (!tail) { /* past the request's head, an iovec read sends its length only */
             captured = copy_iov(ev, a.buf, a.iovcnt, ret);
-            if (ret > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES && (!dir || st->run - ret < SITS_BODY_HEAD)) {
-                split = 1; /* as below: the last bytes as a second record */
+            if (splits_tail(st, dir, ret)) {
+                split = 1; /* the last bytes as a second record, when one entry holds them */
                 ev->len = ret - SITS_TAIL_BYTES;
             }
         }
@@ -576,13 +576,7 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
             return 0;
         bpf_probe_read_user(ev->payload, n, (void *)(a.buf + tail * (ret - n)));
         captured = n;
-        /* a read or write longer than the capture: its last bytes go out as a second record
-         * (a 10 KB prompt read at once keeps the "max_tokens" the openai SDK writes after
-         * the messages; a non-streamed completion's write, and a client's read of it, keep
-         * the "usage" that ends it). A write only in its direction's first SITS_BODY_HEAD
-         * bytes: a 1 MB download's later writes stay one record each, as before */
-        if (!tail && ret > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES &&
-            (!dir || st->run - ret < SITS_BODY_HEAD)) {
+        if (!tail && splits_tail(st, dir, ret)) {
             split = 1;
             ev->len = ret - SITS_TAIL_BYTES;
         }

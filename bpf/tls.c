@@ -220,10 +220,7 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
         if (n > SITS_MAX_PAYLOAD)
             return 0;
         bpf_probe_read_user(ev->payload, n, (void *)a.buf);
-        /* a read or write longer than the capture: its last bytes as a second record (a
-         * write only in its direction's first SITS_BODY_HEAD bytes: http.c) */
-        if (len > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES &&
-            (a.direction == 0 || !st || st->run - len < SITS_BODY_HEAD)) {
+        if (splits_tail(st, a.direction, len)) {
             split = 1;
             ev->len = len - SITS_TAIL_BYTES;
         }

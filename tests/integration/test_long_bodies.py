@@ -39,6 +39,14 @@ def _reference_server(port: int, tmp_path: Path, *extra: str) -> subprocess.Pope
          "--control-socket", str(tmp_path / "no-agent.sock")], stderr=subprocess.PIPE)
 
 
+def _connect(port: int, tls: bool, timeout: float = 60) -> http.client.HTTPConnection:
+    """A keep-alive connection to 127.0.0.1:port, over TLS (the test's own cert) or not."""
+    if tls:
+        return http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout,
+                                           context=ssl._create_unverified_context())
+    return http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_a_long_prompt_keeps_its_size_and_trailing_fields(tmp_path: Path, tls: bool) -> None:
     port = free_port()
@@ -52,12 +60,7 @@ def test_a_long_prompt_keeps_its_size_and_trailing_fields(tmp_path: Path, tls: b
     try:
         wait_port(port, timeout=60)
         time.sleep(1.5)  # the exec rescans find libssl
-        conn: http.client.HTTPConnection
-        if tls:
-            conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=30,
-                                               context=ssl._create_unverified_context())
-        else:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn = _connect(port, tls, timeout=30)
         for i, n in enumerate((10_000, 300_000, 300_000)):
             # the fields GenAI attributes read come last (max_tokens as the openai SDK writes it),
             # after 10 KB of prompt (one read longer than the 4 KiB captured: its last bytes
@@ -134,12 +137,7 @@ def test_a_long_response_keeps_its_trailing_usage(tmp_path: Path, tls: bool) -> 
     try:
         wait_port(port, timeout=60)
         time.sleep(1.5)  # the exec rescans find libssl
-        conn: http.client.HTTPConnection
-        if tls:
-            conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=60,
-                                               context=ssl._create_unverified_context())
-        else:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn = _connect(port, tls)
         for tokens in (2000, 4000):
             rid = f"long-out-{tls}-{tokens}-{time.time_ns()}"
             body = json.dumps({"messages": [{"role": "user", "content": "hello"}],
@@ -185,12 +183,7 @@ def test_a_long_response_written_with_writev_keeps_its_trailing_usage(tmp_path: 
     try:
         wait_port(port, timeout=30)
         time.sleep(1.5)  # the exec rescans find libssl
-        conn: http.client.HTTPConnection
-        if tls:
-            conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=60,
-                                               context=ssl._create_unverified_context())
-        else:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn = _connect(port, tls)
         for tokens in (2000, 4000):
             rid = f"writev-out-{tls}-{tokens}-{time.time_ns()}"
             body = json.dumps({"messages": [{"role": "user", "content": "two words"}],
@@ -236,7 +229,7 @@ def test_a_slow_upload_is_folded_and_keeps_its_size_and_trailing_fields(tmp_path
                 time.sleep(0.16)
 
         rid = f"slow-upload-{time.time_ns()}"
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn = _connect(port, tls=False)
         conn.request("POST", "/v1/chat/completions", body=paced(),
                      headers={"content-type": "application/json", "x-request-id": rid,
                               "content-length": str(len(body))})
