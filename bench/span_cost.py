@@ -28,8 +28,10 @@ from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role, S
 from sits_trace.agent.tracing.http1 import HttpConnParser
 from sits_trace.agent.tracing.spans import SpanBuilder
 
+# each request its own x-request-id, as a client or gateway sends them: an attribute value
+# no two spans share (a cache of encoded attribute values must not get it for free)
 REQ = (b"GET /index.html HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nUser-Agent: wrk\r\n"
-       b"Accept: */*\r\nx-request-id: 0123456789abcdef\r\n\r\n")
+       b"Accept: */*\r\nx-request-id: %016x\r\n\r\n")
 RESP = (b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 02 Dec 2025 10:20:00 GMT\r\n"
         b"Content-Type: text/plain\r\nContent-Length: 17\r\nConnection: keep-alive\r\n\r\n"
         b"hello from nginx\n")
@@ -51,7 +53,7 @@ def nginx_records(n: int, conns: int = 50) -> list[bytes]:
     t = 1_000_000_000
     for i in range(n):
         cid = 1 + i % conns
-        out.append(data_record(cid, 0, t, REQ))
+        out.append(data_record(cid, 0, t, REQ % i))
         out.append(data_record(cid, 1, t + 30_000, RESP))
         t += 50_000
     return out
