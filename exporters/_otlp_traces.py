@@ -63,6 +63,42 @@ def key_values(attrs: Mapping[str, AttrValue], skip: frozenset[str] = frozenset(
     return [KeyValue(key=k, value=any_value(v)) for k, v in attrs.items() if k not in skip]
 
 
+class KeyValueCache:
+    """The KeyValue message of each (key, value) seen before, built once and reused: most of a
+    span's attributes repeat from span to span (method, route, server address, status,
+    user agent), and building a KeyValue and its AnyValue was most of the encoder's time
+    (bench/span_cost.py). A message given to a span is copied into it, so the cached one is
+    never changed. Floats (durations) and strings over `max_len` are never cached; the
+    cache empties itself when it holds `limit` entries, so values seen once (request ids,
+    body sizes) cost a dict entry for a while and no more."""
+
+    __slots__ = ("_kv", "_limit", "_max_len")
+
+    def __init__(self, limit: int = 4096, max_len: int = 256) -> None:
+        self._kv: dict[object, KeyValue] = {}
+        self._limit = limit
+        self._max_len = max_len
+
+    def __call__(self, attrs: Mapping[str, AttrValue], skip: frozenset[str]) -> list[KeyValue]:
+        kv = self._kv
+        out = []
+        for k, v in attrs.items():
+            if k in skip:
+                continue
+            cls = v.__class__
+            # the class is in the key: True, 1 and 1.0 are equal keys of a dict
+            key = (k, cls, v)
+            m = kv.get(key)
+            if m is None:
+                m = KeyValue(key=k, value=any_value(v))
+                if cls is not float and (cls is not str or len(v) <= self._max_len):  # type: ignore[arg-type]
+                    if len(kv) >= self._limit:
+                        kv.clear()
+                    kv[key] = m
+            out.append(m)
+        return out
+
+
 def _id(text: str | None, digits: int) -> bytes:
     """Raw id bytes from hex; b"" (absent) for anything that is not `digits` hex digits."""
     if not text or len(text) != digits:
@@ -73,23 +109,15 @@ def _id(text: str | None, digits: int) -> bytes:
         return b""
 
 
-def pb_span(s: Span) -> PbSpan:
-    parent = _id(s.parent_span_id, 16)
-    return PbSpan(
-        trace_id=_id(s.trace_id, 32), span_id=_id(s.span_id, 16), parent_span_id=parent,
-        name=s.name, kind=_KINDS.get(s.kind, PbSpan.SPAN_KIND_INTERNAL),
-        start_time_unix_nano=s.start_time_unix_nano, end_time_unix_nano=s.end_time_unix_nano,
-        attributes=key_values(s.attributes, _SKIP),
-        status=_ERROR if s.status_code == "ERROR" else _UNSET,
-        flags=_HAS_IS_REMOTE | (_IS_REMOTE if parent else 0))
-
-
 ResourceOf = Callable[[Span], Mapping[str, AttrValue]]
+_CACHE = KeyValueCache()
 
 
-def encode(batch: Iterable[Span], resource_of: ResourceOf) -> ExportTraceServiceRequest:
-    """One request for a batch; spans grouped by their resource's attributes."""
-    groups: dict[tuple[tuple[str, AttrValue], ...], list[PbSpan]] = {}
+def encode(batch: Iterable[Span], resource_of: ResourceOf,
+           kvs: KeyValueCache = _CACHE) -> ExportTraceServiceRequest:
+    """One request for a batch; spans grouped by their resource's attributes. Each span is
+    built in place in the request (`add`), not built and then copied into it."""
+    groups: dict[tuple[tuple[str, AttrValue], ...], list[Span]] = {}
     attrs_of: dict[tuple[tuple[str, AttrValue], ...], Mapping[str, AttrValue]] = {}
     for s in batch:
         attrs = resource_of(s)
@@ -98,14 +126,23 @@ def encode(batch: Iterable[Span], resource_of: ResourceOf) -> ExportTraceService
         if group is None:
             group = groups[key] = []
             attrs_of[key] = attrs
-        group.append(pb_span(s))
+        group.append(s)
     req = ExportTraceServiceRequest()
     for key, spans in groups.items():
         rs = req.resource_spans.add()
         rs.resource.CopyFrom(PbResource(attributes=key_values(attrs_of[key])))
         ss = rs.scope_spans.add()
         ss.scope.CopyFrom(InstrumentationScope(name=SCOPE_NAME, version=SCOPE_VERSION))
-        ss.spans.extend(spans)
+        add = ss.spans.add
+        for s in spans:
+            parent = _id(s.parent_span_id, 16)
+            add(trace_id=_id(s.trace_id, 32), span_id=_id(s.span_id, 16), parent_span_id=parent,
+                name=s.name, kind=_KINDS.get(s.kind, PbSpan.SPAN_KIND_INTERNAL),
+                start_time_unix_nano=s.start_time_unix_nano,
+                end_time_unix_nano=s.end_time_unix_nano,
+                attributes=kvs(s.attributes, _SKIP),
+                status=_ERROR if s.status_code == "ERROR" else _UNSET,
+                flags=_HAS_IS_REMOTE | (_IS_REMOTE if parent else 0))
     return req
 
 

@@ -365,3 +365,31 @@ def test_gzip_and_bad_tls_files_from_the_standard_environment(proc_root: str) ->
         otlp_settings(ExportConfig(), {**env, "OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"})
     with pytest.raises(ConfigError, match="/nonexistent/ca.pem is not a readable file"):
         otlp_settings(ExportConfig(), {**env, "OTEL_EXPORTER_OTLP_CERTIFICATE": "/nonexistent/ca.pem"})
+
+
+def test_the_encoders_cache_of_attribute_values_changes_nothing_it_encodes() -> None:
+    """exporters/_otlp_traces.KeyValueCache: spans encoded through a cache that has seen their
+    values are the bytes encoded without it; equal values of different types (True, 1, 1.0)
+    stay their own type; a request changed after encoding does not reach the cache; the
+    cache never holds more than its limit, nor floats or long strings."""
+    from sits_trace.exporters._otlp_traces import KeyValueCache, encode, key_values
+
+    res = lambda s: {"service.name": "nginx"}
+    spans = [make_span(i, flag=v) for i, v in enumerate((True, 1, 1.0, False, 0, 1, True))]
+    spans += [make_span(7, path="/" + "x" * 300), make_span(8, ratio=0.5), make_span(9)]
+    cache = KeyValueCache(limit=64, max_len=256)
+    once = encode(spans, res, cache).SerializeToString()
+    again = encode(spans, res, cache)
+    assert again.SerializeToString() == once == encode(spans, res, key_values).SerializeToString()
+    flags = [next(kv.value for kv in s.attributes if kv.key == "flag")
+             for s in again.resource_spans[0].scope_spans[0].spans[:7]]
+    assert [f.WhichOneof("value") for f in flags] == [
+        "bool_value", "int_value", "double_value", "bool_value", "int_value", "int_value",
+        "bool_value"]
+    again.resource_spans[0].scope_spans[0].spans[0].attributes[0].value.string_value = "changed"
+    assert encode(spans, res, cache).SerializeToString() == once
+    assert not any(cls is float or (cls is str and len(v) > 256)
+                   for (_k, cls, v) in cache._kv)
+    for i in range(1000):
+        encode([make_span(i)], res, cache)
+        assert len(cache._kv) <= 64
