@@ -237,7 +237,9 @@ BPF_PERCPU_ARRAY(dribbles, __u64, 1);
  * SITS_TAIL_BYTES, flagged DATA_TAIL: the length stays exact and the body's tail (a prompt's
  * trailing "model" or "max_tokens") is still seen. A 30 MiB upload read 4 KiB at a time sent
  * 30 MiB of payload into a 16 MiB ring before, and the ring overflowed (test_hostile). On
- * plain sockets those later reads are folded into one such record (http.c body_folds). */
+ * plain sockets those later reads are folded into one such record (http.c body_folds). A
+ * server's writes of a response past its first SITS_BODY_HEAD bytes send their last bytes
+ * too, when longer than the capture (capture_exchange). */
 #ifndef SITS_BODY_HEAD
 #define SITS_BODY_HEAD 65536
 #endif
@@ -245,15 +247,19 @@ BPF_PERCPU_ARRAY(dribbles, __u64, 1);
 #define SITS_TAIL_BYTES (SITS_MAX_PAYLOAD < 512 ? SITS_MAX_PAYLOAD : 512)
 #endif
 
-/* A transfer longer than the capture sends its last SITS_TAIL_BYTES as a second record (a
- * 10 KB prompt read at once keeps the "max_tokens" the openai SDK writes after the messages;
- * a non-streamed completion's write, and a client's read of it, keep the "usage" that ends
- * it); a write only in its direction's first SITS_BODY_HEAD bytes, so a 1 MB download's
- * later writes stay one record each. `st` may be 0 (tls.c before the connection is known). */
-static __always_inline int splits_tail(struct conn_state *st, __u8 dir, __u64 len)
+/* A transfer longer than the capture sends its last bytes as a second record: the rest after
+ * the capture, at most SITS_TAIL_BYTES (a 10 KB prompt read at once keeps the "max_tokens"
+ * the openai SDK writes after the messages; a non-streamed completion's write, and a client's
+ * read of it, keep the "usage" that ends it; a 4.5 KB one is captured whole). A write only
+ * in its direction's first SITS_BODY_HEAD bytes (later ones send their last bytes alone:
+ * capture_exchange). Returns how many bytes the second record takes, 0 for none. `st` may be
+ * 0 (tls.c before the connection is known). */
+static __always_inline __u64 split_tail(struct conn_state *st, __u8 dir, __u64 len)
 {
-    return len > SITS_MAX_PAYLOAD + SITS_TAIL_BYTES &&
-           (dir == 0 || !st || st->run - len < SITS_BODY_HEAD);
+    if (len <= SITS_MAX_PAYLOAD || (dir == 1 && st && st->run - len >= SITS_BODY_HEAD))
+        return 0;
+    __u64 n = len - SITS_MAX_PAYLOAD;
+    return n > SITS_TAIL_BYTES ? SITS_TAIL_BYTES : n;
 }
 
 #ifndef SITS_SCHED
@@ -418,13 +424,18 @@ static __always_inline int capture_exchange(__u32 tgid, struct conn_state *st, _
     asm volatile("" : "+r"(x));
     st->run *= 1 - (((x | (0 - x)) >> 63) & 1);
     st->last_dir = cur;
-    /* tail = this is the request's direction and SITS_BODY_HEAD bytes went before, computed
-     * without branches: each branch here multiplies the verifier's paths in every caller
-     * (cur, req are 1 or 2: cur ^ req is 0 or 3) */
+    /* tail = only this transfer's last bytes are sent: SITS_BODY_HEAD bytes of its direction
+     * went before, and it is the request's direction, or it is a server's write of the
+     * response longer than the capture (its first bytes would be the middle of a body; its
+     * last may end it: a completion's "usage", after 300 KB of embeddings). Computed without
+     * branches: each branch here multiplies the verifier's paths in every caller (cur, req
+     * are 1 or 2: cur ^ req is 0 or 3; a client's writes are its request) */
     __u64 same = cur ^ req;
     asm volatile("" : "+r"(same)); /* nor may the compiler thread it into the branches */
     same = 1 - (same & 1);
-    st->tail = (__u8)(same & (((__u64)SITS_BODY_HEAD - 1 - st->run) >> 63));
+    __u64 past = ((__u64)SITS_BODY_HEAD - 1 - st->run) >> 63;
+    __u64 big = ((__u64)SITS_MAX_PAYLOAD - len) >> 63;
+    st->tail = (__u8)(past & (same | (big & direction)));
     st->run += len;
     if (cur == req && len < SITS_DRIBBLE_BYTES && !st->skip && ++st->dribble > SITS_MAX_DRIBBLE) {
         int zero = 0;

@@ -396,11 +396,12 @@ static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 io
     return *at;
 }
 
-/* the last SITS_TAIL_BYTES of an iovec transfer of `total` bytes into ev->payload, when the
- * entry they end in holds them all (a writev of a response's head and body: the body's
+/* the last `n` (at most SITS_TAIL_BYTES) of an iovec transfer of `total` bytes into
+ * ev->payload, when the entry they end in holds them all (a writev of a response's head and body: the body's
  * end). Walks the entries' lengths to the one where `total` ends, so a partial write sends
  * the bytes it wrote, not the entry's end. 1 when read, 0 when not. */
-static __always_inline int iov_tail(struct data_event *ev, __u64 iov, __u32 iovcnt, __u64 total)
+static __always_inline int iov_tail(struct data_event *ev, __u64 iov, __u32 iovcnt, __u64 total,
+                                    __u64 n)
 {
     __u64 sum = 0;
     for (int i = 0; i < SITS_MAX_IOV; i++) {
@@ -410,10 +411,10 @@ static __always_inline int iov_tail(struct data_event *ev, __u64 iov, __u32 iovc
         bpf_probe_read_user(ent, sizeof(ent), (void *)(iov + i * 16));
         if (sum + ent[1] >= total) {
             __u64 inside = total - sum; /* this entry's bytes that were transferred */
-            if (inside < SITS_TAIL_BYTES)
+            asm volatile("" : "+r"(n));
+            if (inside < n || n > SITS_TAIL_BYTES)
                 return 0;
-            return bpf_probe_read_user(ev->payload, SITS_TAIL_BYTES,
-                                       (void *)(ent[0] + inside - SITS_TAIL_BYTES)) == 0;
+            return bpf_probe_read_user(ev->payload, n, (void *)(ent[0] + inside - n)) == 0;
         }
         sum += ent[1];
     }
@@ -554,19 +555,22 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
     ev->direction = dir;
     ev->source = a.source;
     __u64 captured = 0, split = 0;
-    /* past the request's first SITS_BODY_HEAD bytes (events.h): the read's last bytes only,
-     * computed without branches (each branch here multiplies the verifier's paths) */
+    /* past a body's first SITS_BODY_HEAD bytes (events.h: the request's transfers, a server's
+     * long writes of the response): the last bytes only, computed without branches (each
+     * branch here multiplies the verifier's paths) */
     __u64 tail = st->tail & 1;
     ev->flags |= tail << 5; /* DATA_TAIL */
     if (a.source == SRC_SENDFILE) {
         captured = 0;
     } else if (vec) {
-        if (!tail) { /* past the request's head, an iovec read sends its length only */
+        if (!tail) {
             captured = copy_iov(ev, a.buf, a.iovcnt, ret);
-            if (splits_tail(st, dir, ret)) {
-                split = 1; /* the last bytes as a second record, when one entry holds them */
-                ev->len = ret - SITS_TAIL_BYTES;
-            }
+            split = split_tail(st, dir, ret); /* a second record, when one entry holds it */
+            ev->len = ret - split;
+        } else if (dir == 1) {
+            /* a long write past the body's head: its last bytes, when one entry holds them
+             * (past the request's head, an iovec read sends its length only) */
+            captured = iov_tail(ev, a.buf, a.iovcnt, ret, SITS_TAIL_BYTES) ? SITS_TAIL_BYTES : 0;
         }
     } else {
         __u64 cap = SITS_MAX_PAYLOAD - tail * (SITS_MAX_PAYLOAD - SITS_TAIL_BYTES);
@@ -576,9 +580,9 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
             return 0;
         bpf_probe_read_user(ev->payload, n, (void *)(a.buf + tail * (ret - n)));
         captured = n;
-        if (!tail && splits_tail(st, dir, ret)) {
-            split = 1;
-            ev->len = ret - SITS_TAIL_BYTES;
+        if (!tail) {
+            split = split_tail(st, dir, ret);
+            ev->len = ret - split;
         }
     }
     if (dir == 0 && captured >= sizeof(struct read_prefix) && !tail &&
@@ -592,12 +596,15 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
         st->lost = 1; /* the next record of the connection carries DATA_LOST */
     if (split) {
         ev->flags = capture_flags(st);
-        ev->len = SITS_TAIL_BYTES;
-        __u64 n = SITS_TAIL_BYTES;
+        ev->len = split;
+        __u64 n = split;
+        asm volatile("" : "+r"(n));
+        if (n > SITS_TAIL_BYTES)
+            return 0;
         if (vec) /* not held by one entry: the length alone (uncaptured bytes) */
-            n = iov_tail(ev, a.buf, a.iovcnt, ret) ? SITS_TAIL_BYTES : 0;
+            n = iov_tail(ev, a.buf, a.iovcnt, ret, n) ? n : 0;
         else
-            bpf_probe_read_user(ev->payload, SITS_TAIL_BYTES, (void *)(a.buf + ret - SITS_TAIL_BYTES));
+            bpf_probe_read_user(ev->payload, n, (void *)(a.buf + ret - n));
         if (emit_data(ev, n) < 0)
             st->lost = 1;
     }

@@ -220,18 +220,19 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
         if (n > SITS_MAX_PAYLOAD)
             return 0;
         bpf_probe_read_user(ev->payload, n, (void *)a.buf);
-        if (splits_tail(st, a.direction, len)) {
-            split = 1;
-            ev->len = len - SITS_TAIL_BYTES;
-        }
+        split = split_tail(st, a.direction, len);
+        ev->len = len - split;
     }
     if (emit_data(ev, n) < 0 && st)
         st->lost = 1; /* the next record of the connection carries DATA_LOST */
     if (split) {
         ev->flags = st ? capture_flags(st) : 0;
-        ev->len = SITS_TAIL_BYTES;
-        bpf_probe_read_user(ev->payload, SITS_TAIL_BYTES, (void *)(a.buf + len - SITS_TAIL_BYTES));
-        if (emit_data(ev, SITS_TAIL_BYTES) < 0 && st)
+        ev->len = split;
+        asm volatile("" : "+r"(split));
+        if (split > SITS_TAIL_BYTES)
+            return 0;
+        bpf_probe_read_user(ev->payload, split, (void *)(a.buf + len - split));
+        if (emit_data(ev, split) < 0 && st)
             st->lost = 1;
     }
     return 0;

@@ -227,6 +227,8 @@ http {{
         location = /fail {{ return 503 "down\\n"; }}
         location /static.txt {{ }}
         location = /upload {{ client_max_body_size 10m; return 201 "stored\\n"; }}
+        # a file the test writes, sent 32 KiB a writev (over TLS 16 KiB an SSL_write)
+        location = /v1/embeddings {{ sendfile off; default_type application/json; }}
     }}
 }}
 """)
