@@ -236,8 +236,8 @@ BPF_PERCPU_ARRAY(dribbles, __u64, 1);
  * the same request (bytes moved one way with no reply between) sends only its last
  * SITS_TAIL_BYTES, flagged DATA_TAIL: the length stays exact and the body's tail (a prompt's
  * trailing "model" or "max_tokens") is still seen. A 30 MiB upload read 4 KiB at a time sent
- * 30 MiB of payload into a 16 MiB ring before, and the ring overflowed (test_hostile). On
- * plain sockets those later reads are folded into one such record (http.c body_folds). A
+ * 30 MiB of payload into a 16 MiB ring before, and the ring overflowed (test_hostile).
+ * Those later reads are folded into one such record (http.c body_folds). A
  * server's writes of a response past its first SITS_BODY_HEAD bytes send their last bytes
  * too, when longer than the capture (capture_exchange). */
 #ifndef SITS_BODY_HEAD

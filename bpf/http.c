@@ -216,8 +216,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_connect)
  * folded) goes out when the connection's next write begins (the response), at close, or
  * once the fold is SITS_FOLD_FLUSH_NS old. Before, each read was a record: nginx discards
  * an unwanted body 4 KiB a read, 25,600 records for a 100 MiB upload (bench/hostile.py).
- * A full map leaves reads to their own records, as before. Plaintext sockets only: TLS
- * reads keep their per-read records. */
+ * A full map leaves reads to their own records, as before. TLS connections fold their
+ * SSL_reads the same way (tls.c), flushed by the response's first SSL_write. */
 #ifndef SITS_MAX_BODY_FOLDS
 #define SITS_MAX_BODY_FOLDS 1024
 #endif

@@ -191,6 +191,13 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
             stream_end(key, st, STREAM_END_NEXT);
         if (!capture_exchange(id >> 32, st, a.direction, len))
             return 0;
+        /* a request body's reads past its head are folded as on plain sockets (http.c
+         * body_folds); the response's first write sends them first */
+        if (a.direction == 0 && (st->tail & 1) &&
+            body_fold_add(id, key, st, a.buf, len, 0, a.ts_ns, now, SRC_TLS))
+            return 0;
+        if (a.direction == 1 && st->fold)
+            body_fold_flush(id, key, st);
         if (a.direction == 1 && stream_write(id, key, st, first, a.buf, len, a.ts_ns, now, a.ssl))
             return 0;
     }
