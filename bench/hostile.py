@@ -5,7 +5,7 @@ Needs root and nginx.
 
 Scenarios: slowloris (300 connections, 1 byte / 100 ms, 12 s), churn (300 new connections/s
 with thousands of TIME_WAIT sockets), upload (100 MB, then a request on the same keep-alive
-connection), pipelined (200 requests in one 14 KB write, 10 times), junk (junk prefixes,
+connection; upload-tls: the same over HTTPS), pipelined (200 requests in one 14 KB write, 10 times), junk (junk prefixes,
 16 03 included), headers (1,000 headers), resets (partial requests ended by RST). `--scale`
 shortens each (CI runs a bounded form). After each, valid requests (x-request-id
 `probe-...`) are sent one every 100 ms; each must be traced within 2 s.
@@ -23,6 +23,7 @@ import random
 import re
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -51,6 +52,10 @@ class Nginx:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.port = free_port()
+        self.tls_port = free_port()
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=localhost", "-keyout", str(root / "key.pem"),
+                        "-out", str(root / "cert.pem")], check=True, capture_output=True)
         self.log = root / "access.log"
         user = "user root;" if os.geteuid() == 0 else ""
         (root / "nginx.conf").write_text(f"""{user} worker_processes 1; daemon off;
@@ -59,7 +64,8 @@ http {{ log_format rid '$http_x_request_id $status'; access_log {self.log} rid;
 client_body_temp_path {root}/b; proxy_temp_path {root}/p; fastcgi_temp_path {root}/f;
 uwsgi_temp_path {root}/u; scgi_temp_path {root}/s; keepalive_requests 100000;
 large_client_header_buffers 4 32k;
-server {{ listen 127.0.0.1:{self.port} backlog=4096;
+server {{ listen 127.0.0.1:{self.port} backlog=4096; listen 127.0.0.1:{self.tls_port} ssl;
+  ssl_certificate {root}/cert.pem; ssl_certificate_key {root}/key.pem;
   location = / {{ return 200 "ok\\n"; }}
   location = /upload {{ client_max_body_size 200m; return 201 "stored\n"; }}
 }} }}
@@ -214,10 +220,14 @@ def churn(port: int, scale: float, rid: str = "churn") -> str:
     return f"{sent} requests at {sent / seconds:.0f}/s, time_wait={len(tw.stdout.splitlines())}"
 
 
-def upload(port: int, scale: float, rid: str = "upload") -> str:
-    """100 MB body, then a request on the same keep-alive connection."""
+def upload(port: int, scale: float, rid: str = "upload", tls: bool = False) -> str:
+    """100 MB body, then a request on the same keep-alive connection (over TLS: `port` is
+    nginx's HTTPS port)."""
     size = int(100 * 1024 * 1024 * max(scale, 0.25))
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    raw = socket.create_connection(("127.0.0.1", port))
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with (ctx.wrap_socket(raw) if tls else raw) as s:
         s.sendall(f"POST /upload HTTP/1.1\r\nHost: x\r\nx-request-id: {rid}-big\r\n"
                   f"Content-Length: {size}\r\n\r\n".encode())
         block = b"u" * 65536
@@ -282,6 +292,7 @@ def resets(port: int, scale: float) -> str:
 ATTACKS: dict[str, Callable[[int, float], str]] = {
     "slowloris": slowloris, "churn": churn, "upload": upload, "pipelined": pipelined,
     "junk": junk, "headers": headers, "resets": resets,
+    "upload-tls": lambda port, scale: upload(port, scale, "upload-tls", tls=True),
 }
 
 
@@ -361,7 +372,7 @@ def run_scenario(name: str, nginx: Nginx, scale: float) -> Result:
     agent = Agent(nginx.proc.pid)
     try:
         c0, t0 = cpu_seconds(agent.proc.pid), time.monotonic()
-        what = ATTACKS[name](nginx.port, scale)
+        what = ATTACKS[name](nginx.tls_port if name.endswith("-tls") else nginx.port, scale)
         end = time.monotonic()
         cores = (cpu_seconds(agent.proc.pid) - c0) / max(end - t0, 1e-3)
         p = probe(agent, nginx.port, end)
