@@ -396,10 +396,10 @@ static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 io
     return *at;
 }
 
-/* the last `n` (at most SITS_TAIL_BYTES) of an iovec transfer of `total` bytes into
- * ev->payload, when the entry they end in holds them all (a writev of a response's head and body: the body's
- * end). Walks the entries' lengths to the one where `total` ends, so a partial write sends
- * the bytes it wrote, not the entry's end. 1 when read, 0 when not. */
+/* the last `n` bytes (at most SITS_TAIL_BYTES) of an iovec transfer of `total` bytes into
+ * ev->payload, when the entry they end in holds them all (a writev of a response's head and
+ * body: the body's end). Walks the entries' lengths to the one where `total` ends, so a
+ * partial write sends the bytes it wrote, not the entry's end. 1 when read, 0 when not. */
 static __always_inline int iov_tail(struct data_event *ev, __u64 iov, __u32 iovcnt, __u64 total,
                                     __u64 n)
 {

@@ -214,7 +214,7 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
     ev->source = SRC_TLS;
     __u64 n = 0, split = 0;
     if (st && st->tail) {
-        /* past the request's head: the read's last bytes only (events.h SITS_BODY_HEAD) */
+        /* past a body's head (events.h SITS_BODY_HEAD, capture_exchange): the last bytes only */
         ev->flags |= DATA_TAIL;
         n = len > SITS_TAIL_BYTES ? SITS_TAIL_BYTES : len;
         asm volatile("" : "+r"(n));
