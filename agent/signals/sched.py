@@ -147,24 +147,27 @@ class SchedSignals:
             table.move_to_end(ev.conn_id)
         q.append(_Obs(ev.ts_exit_ns, ev.tid, ev.runq_us))
 
-    def _window(self, conn_id: int, start: int, end: int) -> list[_Obs]:
-        obs = [o for t in (self._reads, self._writes) for o in t.get(conn_id, ())
-               if start <= o.ts_ns <= end]
-        return sorted(obs, key=lambda o: o.ts_ns)
-
-    def _forget_before(self, conn_id: int, ts: int) -> None:
+    def _take_window(self, conn_id: int, start: int, end: int) -> list[_Obs]:
+        """The connection's observations inside [start, end], in time order; those before
+        `start` are forgotten (the next exchange on it starts later)."""
+        obs: list[_Obs] = []
         for t in (self._reads, self._writes):
             q = t.get(conn_id)
-            while q and q[0].ts_ns < ts:
+            if not q:
+                continue
+            while q and q[0].ts_ns < start:
                 q.popleft()
+            obs.extend(o for o in q if o.ts_ns <= end)
+        if len(obs) > 1:
+            obs.sort(key=lambda o: o.ts_ns)
+        return obs
 
     def annotate(self, ex: Exchange, span: Span) -> None:
         """Tracer annotator: the sits.cpu.* attributes (see the module docstring)."""
         cid = ex.conn.conn_id
         start = ex.request.start_ns
         end = ex.response.end_ns if ex.response is not None else ex.request.end_ns
-        win = self._window(cid, start, end)
-        self._forget_before(cid, start)
+        win = self._take_window(cid, start, end)
         if not win:
             return
         per_tid: dict[int, list[tuple[int, int]]] = {}

@@ -104,6 +104,12 @@ def _tuple_key(t: TcpTuple) -> bytes:
     return t._key()
 
 
+@functools.lru_cache(maxsize=16384)
+def _both_keys(t: TcpTuple) -> tuple[bytes, bytes]:
+    """The keys of a connection's two directions (per span: one cache lookup, no new tuple)."""
+    return t.key(), t.reversed().key()
+
+
 @dataclass(frozen=True, slots=True)
 class TcpConnStats:
     opened_ns: int
@@ -201,10 +207,17 @@ class TcpSignals:
 
     def events_between(self, conn: TcpTuple, start_ns: int, end_ns: int) -> list[TcpEvent]:
         """Retransmits and resets of both directions of `conn` inside [start_ns, end_ns]."""
+        events = self._events
+        if not events:
+            return []
         out: list[TcpEvent] = []
-        for key in (conn.key(), conn.reversed().key()):
-            out.extend(e for e in self._events.get(key, ()) if start_ns <= e.ts_ns <= end_ns)
-        return sorted(out, key=lambda e: e.ts_ns)
+        for key in _both_keys(conn):
+            q = events.get(key)
+            if q:
+                out.extend(e for e in q if start_ns <= e.ts_ns <= end_ns)
+        if len(out) > 1:
+            out.sort(key=lambda e: e.ts_ns)
+        return out
 
     # ---- a span's connection ----
 

@@ -177,3 +177,40 @@ def test_an_exited_process_leaves_the_frame_once_idle(tmp_path: Any) -> None:
     assert ("cpu_runq_waits_per_s", f"pid{SERVER_PID}") in f.tick()  # waited this interval
     node.now[0] += 1_000_000_000
     assert not any(ent == f"pid{SERVER_PID}" for _, ent in f.tick())
+
+
+def test_a_spans_run_queue_delay_is_its_own_exchanges_on_a_keep_alive_connection() -> None:
+    """SchedSignals: a span gets the waits between the snapshots of its own reads and writes
+    (both directions, in time order), not the connection's earlier exchange's, and the next
+    exchange on the connection still finds its snapshots."""
+    from sits_trace.agent.capture.events import DataEvent
+    from sits_trace.agent.capture.wire import Source
+    from sits_trace.agent.model import (
+        ConnInfo,
+        Direction,
+        Exchange,
+        RequestHead,
+        ResponseHead,
+        Role,
+        Span,
+    )
+
+    sig = SchedSignals(DictMaps({}))
+    # (exit ns, direction, runq_us of the thread then); two exchanges: 100-300, 1000-1300
+    for ts, d, rq in ((100, 0, 5), (200, 1, 45), (300, 1, 50),
+                      (1000, 0, 70), (1300, 1, 400)):
+        sig.on_data(DataEvent(1, 7, 9, 3, 0, ts - 10, ts, 10, Direction(d), Source.SYSCALL,
+                              Role.SERVER, b"", runq_us=rq))
+    info = ConnInfo(conn_id=9, pid=1, fd=3, role=Role.SERVER)
+
+    def delay(start: int, end: int) -> tuple[object, object]:
+        ex = Exchange(info, RequestHead("GET", "/", "1.1", [], start, start),
+                      ResponseHead(200, "1.1", [], end - 10, end))
+        span = Span("0" * 32, "0" * 16, None, "GET /", "SERVER", 0, 0)
+        sig.annotate(ex, span)
+        return (span.attributes.get("sits.cpu.runq_delay_us"),
+                span.attributes.get("sits.cpu.runq_delay_exact"))
+
+    assert delay(100, 300) == (45, True)
+    assert delay(1000, 1300) == (330, True)
+    assert delay(100, 300) == (None, None)  # forgotten once a later exchange was annotated
