@@ -189,7 +189,7 @@ struct conn_state {
     __u8 dribble;  /* small request reads in the current exchange (slowloris bound) */
     __u8 agg;      /* a streamed response is being folded in `streams` (stream.h) */
     __u8 tail;     /* this read/write is past SITS_BODY_HEAD bytes of its request: tail only */
-    __u8 fold;     /* reads of a long request body are being folded in `body_folds` (http.c) */
+    __u8 fold;     /* reads of a long request body are being folded in `body_folds` (fold.h) */
     __u8 _pad[5];
     __u64 run;     /* bytes moved in the exchange's current direction, this transfer's included */
 };
@@ -237,7 +237,7 @@ BPF_PERCPU_ARRAY(dribbles, __u64, 1);
  * SITS_TAIL_BYTES, flagged DATA_TAIL: the length stays exact and the body's tail (a prompt's
  * trailing "model" or "max_tokens") is still seen. A 30 MiB upload read 4 KiB at a time sent
  * 30 MiB of payload into a 16 MiB ring before, and the ring overflowed (test_hostile).
- * Those later reads are folded into one such record (http.c body_folds). A
+ * Those later reads are folded into one such record (fold.h body_folds). A
  * server's writes of a response past its first SITS_BODY_HEAD bytes send their last bytes
  * too, when longer than the capture (capture_exchange). */
 #ifndef SITS_BODY_HEAD

@@ -26,6 +26,7 @@
 #include "events.h"
 #include "sockio.h"
 #include "stream.h"
+#include "fold.h"
 
 static __always_inline int ssl_enter(struct pt_regs *ctx, __u8 dir, int ex)
 {
@@ -191,8 +192,8 @@ static __always_inline int ssl_exit(struct pt_regs *ctx)
             stream_end(key, st, STREAM_END_NEXT);
         if (!capture_exchange(id >> 32, st, a.direction, len))
             return 0;
-        /* a request body's reads past its head are folded as on plain sockets (http.c
-         * body_folds); the response's first write sends them first */
+        /* a request body's reads past its head are folded as on plain sockets (fold.h);
+         * the response's first write sends them first */
         if (a.direction == 0 && (st->tail & 1) &&
             body_fold_add(id, key, st, a.buf, len, 0, a.ts_ns, now, SRC_TLS))
             return 0;

@@ -255,7 +255,7 @@ def test_a_long_response_written_in_pieces_keeps_its_trailing_usage(tmp_path: Pa
 def test_a_slow_upload_is_folded_and_keeps_its_size_and_trailing_fields(tmp_path: Path,
                                                                         tls: bool) -> None:
     """A 1 MB prompt sent in 64 KiB pieces over ~2.5 s: past its first 64 KiB the reads
-    (`read`, or over TLS `SSL_read`) are folded in the kernel (bpf/http.c body_folds) and
+    (`read`, or over TLS `SSL_read`) are folded in the kernel (bpf/fold.h body_folds) and
     sent once a second and when the response begins; the span has the body's exact size and
     the fields after the prompt, and the server's reads came as a few records, not one per
     read."""
