@@ -43,8 +43,9 @@ class TraceConfig:
     port: int = 0  # 0: every port
     tls: bool = True  # uprobes on OpenSSL SSL_read/SSL_write(_ex) for HTTPS plaintext
     # payload captured per read/write (a power of two, 256..16384); a longer read or write
-    # also sends its last 512 bytes; past a request's first 64 KiB its reads send only their
-    # last 512 (plain sockets: folded into one such record a second)
+    # also sends the rest, up to its last 512 bytes; past a request's first 64 KiB its reads
+    # send only their last 512 (folded into one such record a second), and past a response's
+    # first 64 KiB so do the server's writes longer than the capture
     capture_bytes: int = 4096
     ringbuf_mib: int = 16  # ring buffer size (a power of two)
     poll_ms: int = 20  # how often the ring buffer is drained (1..1000)

@@ -5,8 +5,9 @@ Needs root and nginx.
 
 Scenarios: slowloris (300 connections, 1 byte / 100 ms, 12 s), churn (300 new connections/s
 with thousands of TIME_WAIT sockets), upload (100 MB, then a request on the same keep-alive
-connection; upload-tls: the same over HTTPS), pipelined (200 requests in one 14 KB write, 10 times), junk (junk prefixes,
-16 03 included), headers (1,000 headers), resets (partial requests ended by RST). `--scale`
+connection; upload-tls: the same over HTTPS), pipelined (200 requests in one 14 KB write, 10
+times), junk (junk prefixes, 16 03 included), headers (1,000 headers), resets (partial
+requests ended by RST). `--scale`
 shortens each (CI runs a bounded form). After each, valid requests (x-request-id
 `probe-...`) are sent one every 100 ms; each must be traced within 2 s.
 
@@ -225,9 +226,7 @@ def upload(port: int, scale: float, rid: str = "upload", tls: bool = False) -> s
     nginx's HTTPS port)."""
     size = int(100 * 1024 * 1024 * max(scale, 0.25))
     raw = socket.create_connection(("127.0.0.1", port))
-    ctx = ssl.create_default_context()
-    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-    with (ctx.wrap_socket(raw) if tls else raw) as s:
+    with (ssl._create_unverified_context().wrap_socket(raw) if tls else raw) as s:
         s.sendall(f"POST /upload HTTP/1.1\r\nHost: x\r\nx-request-id: {rid}-big\r\n"
                   f"Content-Length: {size}\r\n\r\n".encode())
         block = b"u" * 65536
@@ -352,9 +351,9 @@ class Result:
         return [s for s in self.spans if rid_of(s).startswith(prefix)]
 
     def line(self) -> str:
-        keys = ("spans", "records", "lost_in_kernel", "exchanges_shed", "capture_shift", "capture_lost",
-                "requests_uncaptured", "dribbles", "parser_malformed", "conns_expired",
-                "conns_active")
+        keys = ("spans", "records", "lost_in_kernel", "exchanges_shed", "capture_shift",
+                "capture_lost", "requests_uncaptured", "dribbles", "parser_malformed",
+                "conns_expired", "conns_active")
         st = " ".join(f"{k}={self.stats.get(k, 0)}" for k in keys)
         p = self.probe
         return (f"{self.name}: {self.attack}; agent {self.agent_cores:.3f} cores during it; "

@@ -31,8 +31,13 @@ for _m in ("fastapi", "uvicorn", "uvloop"):
 SERVER = Path(__file__).resolve().parents[2] / "examples" / "inference_server.py"
 
 
-def _reference_server(port: int, tmp_path: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """examples/inference_server.py on uvloop, a tiny numpy model, no agent to ask."""
+def _reference_server(port: int, tmp_path: Path, tls: bool = False) -> subprocess.Popen[bytes]:
+    """examples/inference_server.py on uvloop, a tiny numpy model, no agent to ask; with
+    `tls`, HTTPS on the test's own certificate."""
+    extra: list[str] = []
+    if tls:
+        key, crt = make_cert(tmp_path)
+        extra = ["--tls-cert", str(crt), "--tls-key", str(key)]
     return subprocess.Popen(
         [sys.executable, str(SERVER), "--port", str(port), "--loop", "uvloop", *extra,
          "--backend", "numpy", "--hidden", "64", "--vocab", "1024",
@@ -50,12 +55,8 @@ def _connect(port: int, tls: bool, timeout: float = 60) -> http.client.HTTPConne
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_a_long_prompt_keeps_its_size_and_trailing_fields(tmp_path: Path, tls: bool) -> None:
     port = free_port()
-    tls_args: list[str] = []
-    if tls:
-        key, crt = make_cert(tmp_path)
-        tls_args = ["--tls-cert", str(crt), "--tls-key", str(key)]
     tracer = Tracer("--pid", str(os.getpid()))
-    server = _reference_server(port, tmp_path, *tls_args)
+    server = _reference_server(port, tmp_path, tls=tls)
     sent: list[tuple[str, int]] = []
     try:
         wait_port(port, timeout=60)
@@ -129,12 +130,8 @@ def test_a_long_response_keeps_its_trailing_usage(tmp_path: Path, tls: bool) -> 
     a second record (850 tokens: a 4.4 KB body, the 0.3 KB after the capture); the SERVER
     span has the output tokens and the body's exact size."""
     port = free_port()
-    tls_args: list[str] = []
-    if tls:
-        key, crt = make_cert(tmp_path)
-        tls_args = ["--tls-cert", str(crt), "--tls-key", str(key)]
     tracer = Tracer("--pid", str(os.getpid()))
-    server = _reference_server(port, tmp_path, *tls_args)
+    server = _reference_server(port, tmp_path, tls=tls)
     try:
         wait_port(port, timeout=60)
         time.sleep(1.5)  # the exec rescans find libssl
@@ -262,11 +259,7 @@ def test_a_slow_upload_is_folded_and_keeps_its_size_and_trailing_fields(tmp_path
     port = free_port()
     rec = tmp_path / "records.bin"
     tracer = Tracer("--pid", str(os.getpid()), "--record", str(rec))
-    tls_args: list[str] = []
-    if tls:
-        key, crt = make_cert(tmp_path)
-        tls_args = ["--tls-cert", str(crt), "--tls-key", str(key)]
-    server = _reference_server(port, tmp_path, *tls_args)
+    server = _reference_server(port, tmp_path, tls=tls)
     try:
         wait_port(port, timeout=60)
         time.sleep(1.5 if tls else 0)  # the exec rescans find libssl
