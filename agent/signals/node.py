@@ -155,6 +155,7 @@ class NodeSignals:
         if self.tcp is not None:
             tracer.handlers[int(Kind.TCP_EVENT)] = self.tcp.on_record
             tracer.annotators.append(self.tcp.annotate)
+            tracer.batch_observers.append(self.tcp.new_batch)
         if self.sched is not None:
             tracer.data_observers.append(self.sched.on_data)
             tracer.annotators.append(self.sched.annotate)

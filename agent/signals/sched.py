@@ -71,11 +71,8 @@ class SchedSample:
     procs: dict[int, ProcRunq]
 
 
-@dataclass(frozen=True, slots=True)
-class _Obs:
-    ts_ns: int  # exit of the read/write
-    tid: int
-    runq_us: int
+# one read/write seen: (exit ns, tid, the tid's runq_us then), a tuple (one per record)
+_Obs = tuple[int, int, int]
 
 
 def runq_between(samples: list[tuple[int, int]]) -> int:
@@ -145,7 +142,7 @@ class SchedSignals:
                 table.popitem(last=False)
         else:
             table.move_to_end(ev.conn_id)
-        q.append(_Obs(ev.ts_exit_ns, ev.tid, ev.runq_us))
+        q.append((ev.ts_exit_ns, ev.tid, ev.runq_us))
 
     def _take_window(self, conn_id: int, start: int, end: int) -> list[_Obs]:
         """The connection's observations inside [start, end], in time order; those before
@@ -155,11 +152,11 @@ class SchedSignals:
             q = t.get(conn_id)
             if not q:
                 continue
-            while q and q[0].ts_ns < start:
+            while q and q[0][0] < start:
                 q.popleft()
-            obs.extend(o for o in q if o.ts_ns <= end)
+            obs.extend(o for o in q if o[0] <= end)
         if len(obs) > 1:
-            obs.sort(key=lambda o: o.ts_ns)
+            obs.sort()
         return obs
 
     def annotate(self, ex: Exchange, span: Span) -> None:
@@ -170,14 +167,20 @@ class SchedSignals:
         win = self._take_window(cid, start, end)
         if not win:
             return
-        per_tid: dict[int, list[tuple[int, int]]] = {}
-        for o in win:
-            per_tid.setdefault(o.tid, []).append((o.ts_ns, o.runq_us))
-        delay = sum(runq_between(s) for s in per_tid.values())
-        exact = (len(per_tid) == 1 and ex.response is not None
-                 and win[0].ts_ns == start and win[-1].ts_ns == end)
+        tid = win[0][1]
+        if all(o[1] == tid for o in win):  # one thread did the span's I/O (the common case)
+            delay = runq_between([(o[0], o[2]) for o in win])
+            threads = 1
+        else:
+            per_tid: dict[int, list[tuple[int, int]]] = {}
+            for ts, t, runq in win:
+                per_tid.setdefault(t, []).append((ts, runq))
+            delay = sum(runq_between(s) for s in per_tid.values())
+            threads = len(per_tid)
+        exact = (threads == 1 and ex.response is not None
+                 and win[0][0] == start and win[-1][0] == end)
         span.attributes["sits.cpu.runq_delay_us"] = delay
-        span.attributes["sits.cpu.runq_threads"] = len(per_tid)
+        span.attributes["sits.cpu.runq_threads"] = threads
         span.attributes["sits.cpu.runq_delay_exact"] = exact
 
     # ---- per-second numbers ----

@@ -184,6 +184,10 @@ class TcpSignals:
         self._last_totals = self._totals()
         self._last_life = self._lifetimes()
         self._tw: dict[tuple[str, int], _TwHistory] = {}
+        # a connection's tcp_conns entry read once per batch of records: every span of a
+        # batch ended before the batch was read, so a later lookup in the same batch would
+        # give it no truer value (keep-alive: one lookup per connection, not per span)
+        self._batch_stats: dict[bytes, TcpConnStats | None] = {}
         self.decode_errors = 0
 
     # ---- records ----
@@ -263,6 +267,20 @@ class TcpSignals:
         raw = self.maps.lookup("tcp_conns", conn.key())
         return TcpConnStats.from_bytes(raw) if raw is not None else None
 
+    def new_batch(self) -> None:
+        """Tracer batch observer: the next spans come from records read after this."""
+        self._batch_stats.clear()
+
+    def _stats_in_batch(self, conn: TcpTuple) -> TcpConnStats | None:
+        key = conn.key()
+        try:
+            return self._batch_stats[key]
+        except KeyError:
+            raw = self.maps.lookup("tcp_conns", key)
+            st = self._batch_stats[key] = TcpConnStats.from_bytes(raw) if raw is not None \
+                else None
+            return st
+
     def annotate(self, ex: Exchange, span: Span) -> None:
         """Tracer annotator: the sits.tcp.* attributes (see the module docstring)."""
         t = self.resolve(ex.conn)
@@ -272,7 +290,7 @@ class TcpSignals:
         window = self.events_between(t, ex.request.start_ns, end)
         retrans = (TcpEventType.RETRANS, TcpEventType.SYNACK_RETRANS)
         span.attributes["sits.tcp.retransmits"] = sum(e.type in retrans for e in window)
-        st = self.conn_stats(t)
+        st = self._stats_in_batch(t)
         if st is None:
             return
         span.attributes["sits.tcp.conn.retransmits"] = st.retransmits

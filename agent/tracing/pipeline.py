@@ -107,6 +107,9 @@ class Tracer:
         self.annotators: list[Annotator] = list(annotators)
         self.handlers: dict[int, RecordHandler] = dict(handlers or {})
         self.data_observers: list[DataObserver] = []
+        # called before each batch of records (e.g. to drop what an annotator read from
+        # the kernel for the previous batch's spans)
+        self.batch_observers: list[Callable[[], None]] = []
 
     # ---- driving ----
 
@@ -126,6 +129,8 @@ class Tracer:
             self.stats.capture_shift, self.stats.exchanges_shed = self._shedding()
 
     def process(self, records: Iterable[bytes]) -> None:
+        for begin in self.batch_observers:
+            begin()
         handlers = self.handlers
         for raw in records:
             self.stats.records += 1

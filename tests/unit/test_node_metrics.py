@@ -214,3 +214,57 @@ def test_a_spans_run_queue_delay_is_its_own_exchanges_on_a_keep_alive_connection
     assert delay(100, 300) == (45, True)
     assert delay(1000, 1300) == (330, True)
     assert delay(100, 300) == (None, None)  # forgotten once a later exchange was annotated
+    # two threads served the third exchange: each one's waits between its own I/O, summed
+    for ts, tid, d, rq in ((2000, 7, 0, 10), (2100, 8, 1, 100), (2200, 7, 1, 15),
+                           (2300, 8, 1, 130)):
+        sig.on_data(DataEvent(1, tid, 9, 3, 0, ts - 10, ts, 10, Direction(d), Source.SYSCALL,
+                              Role.SERVER, b"", runq_us=rq))
+    assert delay(2000, 2300) == (5 + 30, False)
+
+
+def test_a_connections_tcp_stats_are_read_once_per_batch_of_records() -> None:
+    """TcpSignals reads a connection's tcp_conns entry once per batch the tracer processes
+    (every span of a batch ended before it was read) and again in the next batch."""
+    from sits_trace.agent.capture.wire import TcpConnC, TcpPeerKeyC
+    from sits_trace.agent.model import ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
+    from sits_trace.agent.signals.tcp import TcpTuple, addr16
+
+    t = TcpTuple("10.0.0.1", 8080, "10.0.0.9", 51000)
+    pk = TcpPeerKeyC()
+    pk.raddr[:] = addr16("10.0.0.9")
+    pk.rport, pk.lport = 51000, 8080
+
+    def entry(retransmits: int, srtt_us: int) -> bytes:
+        c = TcpConnC(retransmits=retransmits, srtt_us=srtt_us, active=1)
+        return bytes(c)
+
+    maps = DictMaps({"tcp_conns": {t.key(): entry(0, 80)},
+                     "tcp_peers": {bytes(pk): addr16("10.0.0.1")}})
+    lookups: list[str] = []
+    real = maps.lookup
+
+    def counted(name: str, key: bytes) -> bytes | None:
+        lookups.append(name)
+        return real(name, key)
+
+    maps.lookup = counted  # type: ignore[method-assign]
+    sig = TcpSignals(maps)
+    info = ConnInfo(conn_id=9, pid=1, fd=3, role=Role.SERVER, peer_address="10.0.0.9",
+                    peer_port=51000, local_address="10.0.0.1", local_port=8080)
+
+    def attrs() -> dict[str, object]:
+        ex = Exchange(info, RequestHead("GET", "/", "1.1", [], 100, 100),
+                      ResponseHead(200, "1.1", [], 200, 300))
+        span = Span("0" * 32, "0" * 16, None, "GET /", "SERVER", 0, 0)
+        sig.annotate(ex, span)
+        return span.attributes
+
+    sig.new_batch()
+    assert attrs()["sits.tcp.srtt_us"] == 80
+    maps.maps["tcp_conns"][t.key()] = entry(2, 90)
+    assert attrs()["sits.tcp.srtt_us"] == 80  # same batch: read once
+    assert lookups.count("tcp_conns") == 1
+    sig.new_batch()
+    a = attrs()
+    assert (a["sits.tcp.srtt_us"], a["sits.tcp.conn.retransmits"]) == (90, 2)
+    assert lookups.count("tcp_conns") == 2
