@@ -19,7 +19,8 @@ import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import islice, repeat
+from itertools import islice
+from typing import cast
 
 from sits_trace.agent.model import (
     Chunk,
@@ -915,16 +916,47 @@ class HttpConnParser:
 # ---- helpers (pure) ----
 
 
+# header lines seen before, as parsed: most lines repeat from message to message (Host,
+# User-Agent, Server, Content-Type...), so a message's fields are mostly one dict lookup per
+# line done in C. Lines that may carry a credential, and per-request identity, are never
+# kept (the parser holds those only while their message is parsed); the cache empties
+# itself when full.
+_FIELD_CACHE: dict[str, tuple[str, str]] = {}
+_FIELD_CACHE_MAX = 4096
+_FIELD_CACHE_LINE = 256
+_UNCACHED_NAMES = REDACTED_HEADERS | IDENTITY_HEADERS
+_SECRET_WORDS = ("auth", "key", "token", "secret", "cookie", "session", "passw", "signature",
+                 "credential")
+
+
+def _field(line: str) -> tuple[str, str] | None:
+    """(lower-cased name, stripped value) of a header line, None without a colon."""
+    name, sep, value = line.partition(":")
+    if not sep:
+        return None
+    name = name.lower()
+    f = (name, value.strip())
+    if len(line) <= _FIELD_CACHE_LINE and name not in _UNCACHED_NAMES \
+            and not any(w in name for w in _SECRET_WORDS):
+        if len(_FIELD_CACHE) >= _FIELD_CACHE_MAX:
+            _FIELD_CACHE.clear()
+        _FIELD_CACHE[line] = f
+    return f
+
+
 def _fields(lines: list[str], max_headers: int) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """Header fields after the start line (names lower-cased, values stripped, secrets
     redacted), cut to max_headers, and a lookup dict over all of them."""
-    fields = [
-        (name.lower(), value.strip())
-        for name, sep, value in map(str.partition, islice(lines, 1, None), repeat(":"))
-        if sep
-    ]
-    if len(fields) != len(lines) - 1:  # lines without a colon: obs-fold or junk
-        fields = _fields_slow(lines)
+    rest = lines[1:]
+    got = list(map(_FIELD_CACHE.get, rest))
+    i = 0
+    for _ in range(got.count(None)):
+        i = got.index(None, i)
+        got[i] = _field(rest[i])
+        if got[i] is None:  # a line without a colon: obs-fold or junk
+            got = list(_fields_slow(lines))
+            break
+    fields = cast(list[tuple[str, str]], got)
     d = dict(fields)
     if not REDACTED_HEADERS.isdisjoint(d):
         fields = [(k, REDACTED) if k in REDACTED_HEADERS else (k, v) for k, v in fields]

@@ -362,6 +362,34 @@ def test_secrets_are_redacted_at_parse_time() -> None:
     assert "TOPSECRET" not in repr(ex)
 
 
+def test_the_header_line_cache_changes_nothing_it_parses_and_keeps_no_secret() -> None:
+    from sits_trace.agent.tracing import http1
+
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nUser-Agent:  ua/1 \r\n"
+               b"Authorization: Bearer TOPSECRET1\r\nX-Api-Key: TOPSECRET2\r\n"
+               b"X-Session-Token: TOPSECRET3\r\nx-request-id: r-1\r\nX-Folded: a\r\n b\r\n"
+               b"Content-Length: 3\r\ncontent-length: 3\r\n\r\nabc")
+    response = (b"HTTP/1.1 200 OK\r\nServer: s\r\nSet-Cookie: s=TOPSECRET4\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\nok")
+
+    def parse() -> list[tuple[object, ...]]:
+        run = new().feed(req(request), resp(response), req(request), resp(response))
+        return [(ex.request.headers, ex.response.headers if ex.response else None, summary(ex))
+                for ex in run.out]
+
+    http1._FIELD_CACHE.clear()
+    cold = parse()  # every line parsed, the cacheable ones kept
+    assert http1._FIELD_CACHE
+    assert parse() == cold  # read from the cache
+    kept = " ".join(http1._FIELD_CACHE)
+    assert "TOPSECRET" not in kept and "r-1" not in kept
+    assert cold[0][0][-2:] == [("content-length", "3"), ("content-length", "3")]
+    assert ("x-folded", "a b") in cold[0][0]  # the obs-fold path, cache or not
+    for i in range(http1._FIELD_CACHE_MAX + 10):  # bounded: emptied when full
+        http1._field(f"x-h{i}: v")
+    assert len(http1._FIELD_CACHE) <= http1._FIELD_CACHE_MAX
+
+
 def test_obsolete_line_folding_is_joined() -> None:
     run = new().feed(req(b"GET / HTTP/1.1\r\nX-Long: one\r\n two\r\nHost: h\r\n\r\n"), resp(OK))
     assert run.out[0].request.headers == [("x-long", "one two"), ("host", "h")]
