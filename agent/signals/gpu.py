@@ -126,9 +126,17 @@ class GpuSignals:
         if self.cuda is not None:
             self.cuda.forget(pid)
 
+    def _live_cuda(self) -> CudaSignals | None:
+        """The CUDA reader once some libcuda is probed: until then cuda.c's maps stay empty,
+        and reading them each loop (a batch lookup BCC sizes to the whole map) is waste."""
+        if self.probes is not None and not self.probes.libraries:
+            return None
+        return self.cuda
+
     def poll(self) -> None:
-        if self.cuda is not None:
-            self.cuda.poll()
+        cuda = self._live_cuda()
+        if cuda is not None:
+            cuda.poll()
 
     def stop(self) -> None:
         if self.sampler is not None:
@@ -140,8 +148,9 @@ class GpuSignals:
         start = ex.request.start_ns
         end = ex.response.end_ns if ex.response is not None else ex.request.end_ns
         pid = ex.conn.pid
-        if self.cuda is not None:
-            w = self.cuda.window(pid, start, end)
+        cuda = self._live_cuda()
+        if cuda is not None:
+            w = cuda.window(pid, start, end)
             if w.seen:
                 span.attributes.update(cuda_attributes(w))
         if self.sampler is not None:

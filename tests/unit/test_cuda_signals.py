@@ -195,3 +195,38 @@ def test_annotator_on_recorded_copies() -> None:
     assert (a["sits.cuda.h2d_bytes"], a["sits.cuda.h2d_copies"]) == (16 << 20, 1)
     assert (a["sits.cuda.d2h_bytes"], a["sits.cuda.d2h_copies"]) == (64, 1)
     assert "sits.gpu.index" not in a  # no NVML here
+
+
+def test_no_slot_map_read_until_a_libcuda_is_probed() -> None:
+    """signals/gpu.py: with no libcuda probed the kernel's CUDA maps stay empty, so the loop
+    does not read them (a batch lookup sized to the whole map, each loop); once one is
+    probed, it does."""
+    from types import SimpleNamespace
+
+    from sits_trace.agent.signals.gpu import GpuSignals
+
+    maps = DictCudaMaps()
+    reads: list[int] = []
+    real = maps.slots
+
+    def counted() -> list[tuple[bytes, bytes]]:
+        reads.append(1)
+        return real()
+
+    maps.slots = counted  # type: ignore[method-assign]
+    now = [100 << SHIFT]
+    sig = CudaSignals(maps, slot_shift=SHIFT, monotonic_ns=lambda: now[0])
+    probes = SimpleNamespace(libraries=[])
+    gpu = GpuSignals(sig, probes, None)  # type: ignore[arg-type]
+    ex = Exchange(ConnInfo(1, 7, 5, Role.SERVER), RequestHead("GET", "/", "1.1", [], 1, 2),
+                  ResponseHead(200, "1.1", [], 3, now[0]))
+    span = Span("0" * 32, "0" * 16, None, "GET", "SERVER", 0, 1)
+    gpu.poll()
+    gpu.annotate(ex, span)
+    assert reads == [] and "sits.cuda.kernel_launches" not in span.attributes
+    probes.libraries.append("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+    _put_slot(maps, 7, 99, 3, 99 << SHIFT, (99 << SHIFT) + 10)
+    gpu.poll()
+    assert reads == [1]
+    gpu.annotate(ex, span)
+    assert span.attributes["sits.cuda.kernel_launches"] == 3
