@@ -48,7 +48,8 @@ class TraceConfig:
     # first 64 KiB so do the server's writes longer than the capture
     capture_bytes: int = 4096
     ringbuf_mib: int = 16  # ring buffer size (a power of two)
-    poll_ms: int = 20  # how often the ring buffer is drained (1..1000)
+    # how often the ring buffer is drained (1..1000); sooner when 1/16 of the ring waits
+    poll_ms: int = 100
     idle_timeout_s: float = 30.0  # an exchange stuck this long is given up
     # cores the agent may use; above it the kernel captures one exchange in 2**n (and counts
     # the rest) until it fits: see agent/capture/shedding.py. 0: capture everything, whatever it costs
