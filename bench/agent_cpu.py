@@ -1,0 +1,93 @@
+"""The agent's CPU at a paced nginx load, one agent against another or one config against another.
+
+    .venv/bin/python bench/agent_cpu.py [--connections 10] [--paced-ms 10] [--seconds 8]
+        [--rounds 3] [--config a.toml] [--baseline /other/.venv/bin/python] [--baseline-config b.toml]
+
+nginx (`return 200`) under wrk, each of `--connections` waiting `--paced-ms` between requests
+(10 x 10 ms: about 1k requests/s; 20 x 2 ms: as many as the VM gives, ~7k here; 1 x 1000 ms:
+the agent nearly idle). The agent runs `trace --json --pid <nginx> --cpu-budget 0` (full
+capture, output to /dev/null) with `--config` when given; its CPU (utime + stime from /proc)
+is taken over `--seconds` once wrk has run for two. With `--baseline` and/or
+`--baseline-config` the two sides alternate, round by round, so drift in the machine's load
+hits both. Prints requests/s, agent cores and agent µs per request (every request is a span:
+full capture, nothing shed) for each run, then the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead  # the sibling bench: nginx and wrk helpers
+
+
+def one_run(python: str, config: str | None, a: argparse.Namespace) -> tuple[float, float]:
+    """(requests/s, agent cores) of one run."""
+    sits = str(Path(python).parent / "sits-trace")
+    port = overhead.free_port()
+    with tempfile.TemporaryDirectory() as d:
+        pace = Path(d) / "pace.lua"
+        pace.write_text(f"function delay() return {a.paced_ms} end\n")
+        nginx = overhead.start_nginx(Path(d), port, 1)
+        cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
+        agent = subprocess.Popen(cmd + (["--config", config] if config else []),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            assert agent.stderr is not None
+            for line in agent.stderr:
+                if "tracing" in line:
+                    break
+            wrk = subprocess.Popen(["wrk", "-t1", f"-c{a.connections}", f"-d{a.seconds + 3}s",
+                                    "-s", str(pace), f"http://127.0.0.1:{port}/"],
+                                   stdout=subprocess.PIPE, text=True)
+            time.sleep(2)
+            c0 = overhead.cpu_seconds(agent.pid)
+            time.sleep(a.seconds)
+            cpu = overhead.cpu_seconds(agent.pid) - c0
+            out, _ = wrk.communicate(timeout=60)
+        finally:
+            overhead.stop_agent(agent)
+            nginx.terminate()
+            nginx.wait(timeout=10)
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    return (float(m.group(1)) if m else 0.0), cpu / a.seconds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--connections", type=int, default=10)
+    ap.add_argument("--paced-ms", type=int, default=10)
+    ap.add_argument("--seconds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--config", help="TOML config for the agent under test")
+    ap.add_argument("--baseline", help="python of another checkout's venv to alternate with")
+    ap.add_argument("--baseline-config", help="TOML config for the baseline side")
+    a = ap.parse_args()
+    sides = [("this", sys.executable, a.config)]
+    if a.baseline or a.baseline_config:
+        sides.append(("baseline", a.baseline or sys.executable, a.baseline_config))
+    got: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in sides}
+    for r in range(a.rounds):
+        for name, python, config in sides if r % 2 == 0 else sides[::-1]:
+            rps, cores = one_run(python, config, a)
+            got[name].append((rps, cores))
+            per = cores / rps * 1e6 if rps else float("nan")
+            print(f"round {r + 1} {name}: {rps:.0f} req/s, agent {cores:.3f} cores, "
+                  f"{per:.1f} µs/request", flush=True)
+    for name, runs in got.items():
+        rps = statistics.median(x[0] for x in runs)
+        cores = statistics.median(x[1] for x in runs)
+        per = statistics.median(x[1] / x[0] * 1e6 for x in runs if x[0])
+        print(f"{name}: median {rps:.0f} req/s, agent {cores:.3f} cores, {per:.1f} µs/request")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
