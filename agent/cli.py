@@ -93,7 +93,7 @@ class _TablePrinter:
 
 
 def _json_printer(s: Span) -> None:
-    sys.stdout.write(json.dumps(s.to_json(), separators=(",", ":")) + "\n")
+    sys.stdout.write(s.json_line())
     sys.stdout.flush()
 
 

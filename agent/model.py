@@ -12,6 +12,7 @@ clock offset passed in.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
@@ -177,6 +178,14 @@ class Span:
             "attributes": dict(self.attributes),
             "status": {"code": self.status_code},
         }
+
+    def json_line(self) -> str:
+        """to_json() as one compact JSON line (`trace --json`, the JSONL exporter)."""
+        return _COMPACT_JSON.encode(self.to_json()) + "\n"
+
+
+# one encoder for every span line: json.dumps with separators builds a new one per call
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 # ---- node signals and health rows ----

@@ -255,7 +255,7 @@ def stages(records: list[bytes]) -> dict[str, float]:
     builder = SpanBuilder(clock_offset_ns=0)
     spans: list[Span] = []
     out["span"] = cpu_us(lambda: spans.extend(builder.build(x) for x in exchanges))
-    out["json"] = cpu_us(lambda: [json.dumps(s.to_json(), separators=(",", ":")) for s in spans])
+    out["json"] = cpu_us(lambda: [s.json_line() for s in spans])  # trace --json, JSONL
     enc = otlp_encoder()
     out["otlp"] = cpu_us(lambda: enc(spans))
     sdk = otlp_sdk_encoder()

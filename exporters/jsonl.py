@@ -7,7 +7,6 @@ queue fills and spans are dropped and counted instead.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from typing import IO
@@ -35,7 +34,7 @@ class JsonlExporter:
                                      retry=retry)
 
     def _write(self, batch: list[Span]) -> bool:
-        text = "".join(json.dumps(s.to_json(), separators=(",", ":")) + "\n" for s in batch)
+        text = "".join(s.json_line() for s in batch)
         self._out.write(text)
         self._out.flush()
         return True

@@ -186,12 +186,13 @@ def _decode_data(raw: bytes) -> DataEvent:
     if end > len(raw) or captured > length or direction > 1 or source > 2 or role > 2:
         raise DecodeError(f"data record: captured={captured} len={length} size={len(raw)} "
                           f"direction={direction} source={source} role={role}")
+    # positional, in DataEvent's field order (keywords cost 0.7 µs more a record, two a span;
+    # tests/unit/test_events.py checks every field of a decoded record)
     return DataEvent(
-        pid=tgid, tid=tid, conn_id=conn_id, fd=fd, ssl=ssl, ts_enter_ns=t_enter,
-        ts_exit_ns=t_exit, length=length, direction=_DIRECTIONS[direction],
-        source=_SOURCES[source], role=_ROLES[role], payload=raw[DATA_HDR_SIZE:end],
-        runq_us=runq_us, sample_shift=flags & DATA_SAMPLE_SHIFT, gap=bool(flags & DATA_GAP),
-        lost=bool(flags & DATA_LOST), tail=bool(flags & DATA_TAIL),
+        tgid, tid, conn_id, fd, ssl, t_enter, t_exit, length, _DIRECTIONS[direction],
+        _SOURCES[source], _ROLES[role], raw[DATA_HDR_SIZE:end], runq_us,
+        flags & DATA_SAMPLE_SHIFT, bool(flags & DATA_GAP), bool(flags & DATA_LOST),
+        bool(flags & DATA_TAIL),
     )
 
 

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
-from typing import cast
+from typing import Any
 
 from sits_trace.agent.model import (
     Chunk,
@@ -948,15 +948,14 @@ def _fields(lines: list[str], max_headers: int) -> tuple[list[tuple[str, str]], 
     """Header fields after the start line (names lower-cased, values stripped, secrets
     redacted), cut to max_headers, and a lookup dict over all of them."""
     rest = lines[1:]
-    got = list(map(_FIELD_CACHE.get, rest))
+    fields: list[Any] = list(map(_FIELD_CACHE.get, rest))  # (name, value), None if not seen
     i = 0
-    for _ in range(got.count(None)):
-        i = got.index(None, i)
-        got[i] = _field(rest[i])
-        if got[i] is None:  # a line without a colon: obs-fold or junk
-            got = list(_fields_slow(lines))
+    for _ in range(fields.count(None)):
+        i = fields.index(None, i)
+        fields[i] = _field(rest[i])
+        if fields[i] is None:  # a line without a colon: obs-fold or junk
+            fields = _fields_slow(lines)
             break
-    fields = cast(list[tuple[str, str]], got)
     d = dict(fields)
     if not REDACTED_HEADERS.isdisjoint(d):
         fields = [(k, REDACTED) if k in REDACTED_HEADERS else (k, v) for k, v in fields]

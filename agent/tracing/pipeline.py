@@ -30,6 +30,8 @@ from .http1 import HttpConnParser, ParserStats
 from .procfs import ProcFS
 from .spans import SpanBuilder
 
+_DATA_KIND = int(Kind.DATA).to_bytes(4, "little")
+
 SpanSink = Callable[[Span], None]
 # adds attributes to a span from other signals (TCP, CPU, GPU) before it leaves the tracer
 Annotator = Callable[[Exchange, Span], None]
@@ -105,7 +107,7 @@ class Tracer:
         self._next_sweep = 0
         self._prefill_id = PREFILL_ID_BASE
         self.annotators: list[Annotator] = list(annotators)
-        self.handlers: dict[int, RecordHandler] = dict(handlers or {})
+        self.handlers: dict[int, RecordHandler] = dict(handlers or {})  # by kind; never DATA
         self.data_observers: list[DataObserver] = []
         # called before each batch of records (e.g. to drop what an annotator read from
         # the kernel for the previous batch's spans)
@@ -134,8 +136,9 @@ class Tracer:
         handlers = self.handlers
         for raw in records:
             self.stats.records += 1
-            if handlers and len(raw) >= 4:
-                h = handlers.get(int.from_bytes(raw[:4], "little"))
+            head = raw[:4]
+            if handlers and head != _DATA_KIND and len(raw) >= 4:  # data records are ours
+                h = handlers.get(int.from_bytes(head, "little"))
                 if h is not None:
                     h(raw)
                     continue

@@ -28,6 +28,12 @@ def test_struct_fast_path_matches_ctypes_mirror() -> None:
     assert ev.direction is Direction.EGRESS and ev.source is events.Source.TLS
     assert ev.role is Role.CLIENT and ev.runq_us == 99
     assert ev.payload == b"GET / HTTP/1.1\r\n\r\n"
+    assert (ev.sample_shift, ev.gap, ev.lost, ev.tail) == (0, False, False, False)
+    for flags, want in ((3 | 0x80, (3, True, False, False)), (0x40, (0, False, True, False)),
+                        (0x20 | 1, (1, False, False, True))):
+        e = events.decode(_data_record(b"x", tgid=7, len=1, flags=flags, runq_us=5))
+        assert isinstance(e, events.DataEvent)
+        assert (e.sample_shift, e.gap, e.lost, e.tail) == want and e.runq_us == 5
 
 
 def test_conn_event_addresses() -> None:

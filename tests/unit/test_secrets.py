@@ -9,7 +9,6 @@ request, the Prometheus text exposition, the agent's log records (DEBUG). The re
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import stat
@@ -89,7 +88,7 @@ def test_no_output_carries_a_secret(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     spans = _spans()
     # trace --json
-    _assert_clean("".join(json.dumps(s.to_json()) for s in spans), "trace --json")
+    _assert_clean("".join(s.json_line() for s in spans), "trace --json")
     # JSONL exporter
     buf = io.StringIO()
     jsonl = JsonlExporter(stream=buf, batch_delay_s=0.01)
