@@ -6,11 +6,20 @@ prompt token through the stack (cost grows with prompt length); a decode step ru
 per active sequence. PyTorch when importable (CPU, or CUDA on a compute stream whose priority
 the agent may set), else numpy with the same shapes.
 
-Batcher: continuous batching. Requests wait in `pending`; they are admitted when the running
-batch has room and either enough are waiting to fill it or the oldest has waited the batch
-window. Each engine step prefills up to `prefill_chunk` prompt tokens of admitted sequences
-(chunked prefill; a sequence whose prompt completes yields its first token) and decodes one
-token for every sequence already past prefill. Tokens go to `deliver` once per step.
+Batcher, `continuous` (default): requests wait in `pending`; they are admitted when the
+running batch has room and either enough are waiting to fill it or the oldest has waited the
+batch window. Each engine step prefills up to `prefill_chunk` prompt tokens of admitted
+sequences (chunked prefill; a sequence whose prompt completes yields its first token) and
+decodes one token for every sequence already past prefill. Tokens go to `deliver` once per
+step.
+
+Batcher `window`: a dynamic batcher that dispatches whole batches, as Triton's does to a
+model with several instances on one device. The oldest waiting request opens a window; when
+it closes, or `max_batch` are waiting, the waiting requests become one batch, which runs to
+its end as its own group: no request joins it later. Groups run side by side (at most
+`instances` at once, 0: no bound), one model call per group in turn, each call paying the
+step floor: the device is shared, so many small groups cost many small calls. A longer
+window makes larger groups, fewer calls per token and more waiting per request.
 """
 
 from __future__ import annotations
@@ -181,12 +190,23 @@ class EngineStats:
     active: int = 0
 
 
+BATCHERS = ("continuous", "window")
+
+
 class Engine:
     """The batcher: one thread runs model steps; `submit` and `cancel` are thread-safe."""
 
     def __init__(self, model: Model, deliver: Callable[[list[Event]], None], max_batch: int,
                  window_ms: float, prefill_chunk: int = 512, step_floor_ms: float = 0.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, batcher: str = "continuous",
+                 instances: int = 0) -> None:
+        if batcher not in BATCHERS:
+            raise ValueError(f"unknown batcher {batcher!r} ({', '.join(BATCHERS)})")
+        self.batcher = batcher
+        self.instances = instances  # window batcher: groups running at once (0: no bound)
+        self._groups: list[list[Sequence]] = []  # window batcher: the dispatched batches
+        self._turn = 0  # window batcher: the group whose call is next
+        self._calls_work = 0  # sequences in the last model call
         self.model = model
         self.deliver = deliver
         self.max_batch = max_batch
@@ -213,21 +233,32 @@ class Engine:
         self._inbox.put(seq)
 
     def queue_depth(self) -> int:
-        return len(self._pending) + self._inbox.qsize()
+        """Requests that have not had their first token: waiting to be admitted and, with the
+        window batcher, dispatched in a group whose prefill has not run yet."""
+        waiting = len(self._pending) + self._inbox.qsize()
+        if self.batcher == "window":
+            waiting += sum(1 for g in list(self._groups) for s in list(g) if s.in_prefill)
+        return waiting
 
     def _run(self) -> None:
+        window = self.batcher == "window"
         while not self._stop.is_set():
             self._drain(self._idle_wait())
-            self._admit()
-            if self._active:
-                self.step()
+            if window:
+                self._dispatch()
+                if self._groups:
+                    self._group_step()
+            else:
+                self._admit()
+                if self._active:
+                    self.step()
             self.stats.queue_depth = self.queue_depth()
-            self.stats.active = len(self._active)
+            self.stats.active = len(self._active) + sum(len(g) for g in self._groups)
 
     def _idle_wait(self) -> float | None:
         """How long to block for new requests: 0 while running, until the window ends while
         only waiting ones exist, forever when idle."""
-        if self._active:
+        if self._active or self._groups:
             return 0.0
         if self._pending:
             return max(0.0, self._pending[0].arrival + self.window_ms / 1000 - self._clock())
@@ -255,31 +286,60 @@ class Engine:
             self._active.extend(self._pending[:room])
             del self._pending[:room]
 
+    def _dispatch(self) -> None:
+        """Window batcher: the waiting requests become a group when the oldest has waited the
+        window or a full batch waits, while an instance is free."""
+        self._pending = [s for s in self._pending if not s.cancelled]
+        while self._pending and (not self.instances or len(self._groups) < self.instances):
+            waited = self._clock() - self._pending[0].arrival
+            if len(self._pending) < self.max_batch and waited < self.window_ms / 1000:
+                return
+            group = self._pending[:self.max_batch]
+            del self._pending[:self.max_batch]
+            self._groups.append(group)
+            self.stats.last_batch = len(group)
+
+    def _group_step(self) -> None:
+        """Window batcher: one model call for the group whose turn it is."""
+        self._turn %= len(self._groups)
+        group = self._groups[self._turn]
+        group[:] = self._run_call(group)
+        if group:
+            self._turn += 1
+        else:
+            del self._groups[self._turn]
+
     def step(self) -> None:
         """One model call: a prefill chunk for sequences still in prefill, one decode token for
         the others; then deliver what it produced."""
+        self._active = self._run_call(self._active)
+        if self._calls_work:
+            self.stats.last_batch = self._calls_work
+
+    def _run_call(self, batch: list[Sequence]) -> list[Sequence]:
+        """One model call over `batch`; returns the sequences of it not yet done."""
         started = self._clock()
-        self._active = [s for s in self._active if not s.cancelled]
-        work = self._plan()
+        batch = [s for s in batch if not s.cancelled]
+        work = self._plan(batch)
+        self._calls_work = len(work)
         if not work:
-            return
+            return batch
         ids = [w[1] for w in work]
         nxt, pools = self.model.forward(ids, pooled=any(s.max_tokens == 0 for s, _ in work))
         events = [self._advance(s, len(t), n, pools[i] if pools else None)
                   for i, ((s, t), n) in enumerate(zip(work, nxt, strict=True))]
-        self._active = [s for s in self._active if not s.done]
         self.stats.steps += 1
-        self.stats.last_batch = len(work)
         produced = [e for e in events if e is not None]
         self.stats.tokens += sum(1 for e in produced if e.token is not None)
         self._floor(started)
         if produced:
             self.deliver(produced)
+        return [s for s in batch if not s.done]
 
-    def _plan(self) -> list[tuple[Sequence, npt.NDArray[np.int64]]]:
+    def _plan(self, batch: list[Sequence]) -> list[tuple[Sequence, npt.NDArray[np.int64]]]:
         budget = self.prefill_chunk
         work: list[tuple[Sequence, npt.NDArray[np.int64]]] = []
-        for s in self._active:
+        for s in batch:
             if not s.in_prefill:
                 nxt = (s.last_token + 7919 * s.generated) % self.model.shape.vocab  # vary output
                 work.append((s, np.array([nxt], dtype=np.int64)))

@@ -44,7 +44,16 @@ from typing import Any, TextIO
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from inference_model import Engine, Event, Sequence, Shape, build_model, prompt_token_ids, text_hash
+from inference_model import (
+    BATCHERS,
+    Engine,
+    Event,
+    Sequence,
+    Shape,
+    build_model,
+    prompt_token_ids,
+    text_hash,
+)
 
 try:
     import uvicorn
@@ -576,6 +585,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--batch-window-ms", type=float, default=2.0,
                    help="default admission window; the agent's decision replaces it")
+    p.add_argument("--batcher", choices=BATCHERS, default="continuous",
+                   help="continuous (requests join the running batch) or window (whole "
+                        "batches dispatched when the window closes, run side by side)")
+    p.add_argument("--instances", type=int, default=0,
+                   help="window batcher: batches running at once (0: no bound)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step")
     p.add_argument("--step-floor-ms", type=float, default=0.0,
                    help="sleep so a step takes at least this long (a bigger model's pace)")
@@ -601,8 +615,8 @@ def validate(a: argparse.Namespace) -> str | None:
             return f"no such file: {path}"
     if a.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         return "--loop uvloop: uvloop is not installed (pip install uvloop)"
-    if a.max_batch < 1 or a.prefill_chunk < 1 or a.batch_window_ms < 0:
-        return "--max-batch and --prefill-chunk must be >= 1, --batch-window-ms >= 0"
+    if a.max_batch < 1 or a.prefill_chunk < 1 or a.batch_window_ms < 0 or a.instances < 0:
+        return "--max-batch and --prefill-chunk must be >= 1, --batch-window-ms and --instances >= 0"
     if a.bulk_loader is not None and not a.bulk_loader > 0:
         return "--bulk-loader must be > 0 bytes/s (inf: unpaced)"
     return None
@@ -624,7 +638,7 @@ def make_service(a: argparse.Namespace) -> Service:
 
     def engine(deliver: Callable[[list[Event]], None]) -> Engine:
         return Engine(model, deliver, a.max_batch, a.batch_window_ms, a.prefill_chunk,
-                      a.step_floor_ms)
+                      a.step_floor_ms, batcher=a.batcher, instances=a.instances)
     return Service(opts, engine, control, loader, a.control_interval_ms / 1000)
 
 

@@ -173,23 +173,40 @@ class VerdictWindow:
     """
 
     def __init__(self, target_ms: float, window_ms: float = 20.0, bounds: Bounds = Bounds(),
-                 alpha: float = 0.5, budget: float = 0.5, pays_slope: float = 0.01) -> None:
+                 alpha: float = 0.5, budget: float = 0.5, pays_share: float = 0.3,
+                 hold_load: float = 0.8) -> None:
         self.name = "ours"
         self.target_ms = target_ms
         self.bounds = bounds
         self.window_ms = bounds.clip(window_ms)
         self.alpha = alpha
         self.budget = budget  # share of the target the window may take when load is light
-        self.pays_slope = pays_slope  # requests per batch gained per ms of window
+        # waiting pays when at least this share of the requests that arrive during a longer
+        # window join the batch (a window batcher: all of them; continuous batching: none)
+        self.pays_share = pays_share
+        self.hold_load = hold_load  # a short window is remembered while load stays above this share
         self.model = BatchLatencyModel()
-        self.sizes = OnlineFit(min_var=4.0)  # batch size against window (ms)
+        # batch size against the requests expected within the window (window x arrival rate):
+        # spread in that, not in milliseconds, tells whether waiting buys batch size
+        self.sizes = OnlineFit(min_var=0.05)
         self.ewma_ms: float | None = None
+        self.short: tuple[float, float] | None = None  # (window, rps) a backlog was seen at
+        self.grown_in_backlog = False  # the window grew during the backlog now going on
+        self.gathered: float | None = None  # batch size / (1 + arrivals in a window), EWMA
+        self._last_queue: float | None = None
         self.last_reason = "start"
 
     def batching_pays(self) -> bool | None:
-        """Does a longer window make larger batches? None until the window has varied."""
+        """Does a longer window make larger batches? From the fit once the window (times the
+        load) has varied enough; before that, False when batches are far larger than what a
+        window gathers (continuous batching, or a queue that fills batches by itself), else
+        None."""
         c = self.sizes.coef()
-        return None if c is None else c[1] >= self.pays_slope
+        if c is not None:
+            return c[1] >= self.pays_share
+        if self.gathered is not None and self.gathered > 2.0:
+            return False
+        return None
 
     def step(self, stats: IntervalStats, cause: str | None) -> float:
         if stats.p95_ms is None:
@@ -198,13 +215,21 @@ class VerdictWindow:
         if cause == "request_mix_shift":
             self.model.reset()  # the sizes changed: what was learnt no longer holds
             self.sizes.reset()
+            self.gathered = None
         self.ewma_ms = _ewma(self.ewma_ms, stats.p95_ms, self.alpha)
         backlog = _backlog(stats)
+        rate = stats.arrival_rps or stats.throughput_rps
         if stats.batch_size is not None:
-            self.sizes.add(self.window_ms, stats.batch_size)
+            expected = self.window_ms * rate / 1000.0  # arrivals within one window
+            self.sizes.add(expected, stats.batch_size)
+            self.gathered = _ewma(self.gathered, stats.batch_size / (1.0 + expected), 0.3)
             if not backlog:
                 self.model.add(stats.batch_size, max(0.0, stats.p95_ms - self.window_ms))
         proposal, self.last_reason = self._propose(stats, backlog)
+        proposal = self._hold(proposal, backlog, rate)
+        self._last_queue = stats.queue_depth
+        if not backlog:
+            self.grown_in_backlog = False
         if cause in NOT_BATCHING and proposal > self.window_ms:
             proposal = self.window_ms  # a bigger batch cannot fix it
             self.last_reason += f"; held ({cause})"
@@ -219,7 +244,13 @@ class VerdictWindow:
         if hot and backlog:
             if pays is False:
                 return w * 0.5, "backlog, but waiting does not make larger batches"
-            return w * 1.5, "backlog: capacity is short, larger batches"
+            q, last = s.queue_depth, self._last_queue
+            if q is not None and last is not None and q <= 1.1 * last and self.grown_in_backlog:
+                return w, "backlog no longer growing since the window grew: hold"
+            self.grown_in_backlog = True
+            self.short = (w, s.arrival_rps or s.throughput_rps)  # this window fell behind
+            deep = (q or 0.0) >= 4 * max(1.0, s.batch_size or 1.0)
+            return w * (2.0 if deep else 1.5), "backlog: capacity is short, larger batches"
         if hot:
             return w * 0.7, "wait-bound: the window is the bottleneck"
         if pays is False:
@@ -235,15 +266,34 @@ class VerdictWindow:
             return w * 0.9, "near the target"
         return w, "steady"
 
+    def _hold(self, proposal: float, backlog: bool, rate: float) -> float:
+        """Remember the window a backlog was seen at: at that load a window that short did not
+        keep up. Once waiting is seen to pay, do not shrink back to it (the shrink that a
+        wait-bound P95 asks for would bring the backlog back: an oscillation). Forgotten when
+        the load falls below `hold_load` of what it was then, or waiting is seen not to pay."""
+        pays = self.batching_pays()
+        if pays is False:
+            self.short = None
+            return proposal
+        if backlog:
+            return proposal
+        if self.short is not None and rate < self.hold_load * self.short[1]:
+            self.short = None
+        if pays and self.short is not None and proposal < 1.2 * self.short[0]:
+            self.last_reason += f"; held above {self.short[0]:.0f} ms (a backlog there)"
+            return max(proposal, min(self.window_ms, 1.2 * self.short[0]))
+        return proposal
+
     def _fit(self, s: IntervalStats) -> float | None:
         """Largest window whose predicted P95 (window + a + b*size) stays within the budget."""
         coef, sizes = self.model.coef(), self.sizes.coef()
         if coef is None or sizes is None:
             return None
+        rate = s.arrival_rps or s.throughput_rps
         a, b = coef
         best = None
         for w in _grid(self.bounds):
-            size = max(1.0, sizes[0] + sizes[1] * w)
+            size = max(1.0, sizes[0] + sizes[1] * w * rate / 1000.0)
             if w + a + b * size <= self.budget * self.target_ms:
                 best = w
         if best is None:

@@ -223,14 +223,14 @@ def test_gpu_causes_ask_for_priority_and_copy_budget_then_clear(tmp_path: Path) 
 
 def test_window_follows_latency_and_the_verdict(tmp_path: Path) -> None:
     loop, pushed, clock, _ = make(tmp_path, "advise", window_ms=50.0)
-    loop.board.report("llm", queue_depth=40, batch_size=8)
+    loop.board.report("llm", queue_depth=40, batch_size=3)
     feed(loop, 300)
     pushed.push(verdict(cause="server_queueing"))
     loop.tick()
     grown = loop.board.snapshot()[0]["batch_window_ms"]
     assert grown > 50  # backlog: bigger batches
     clock.t += 1
-    loop.board.report("llm", queue_depth=40, batch_size=8)
+    loop.board.report("llm", queue_depth=40, batch_size=3)
     feed(loop, 300)
     pushed.push(verdict(cause="network_delay", pid=0))
     loop.tick()

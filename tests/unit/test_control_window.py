@@ -156,3 +156,63 @@ def test_ours_probes_down_before_it_knows() -> None:
     assert c.batching_pays() is None
     assert c.step(stats(100, batch=4, queue=0), None) == pytest.approx(85)
     assert "probing" in c.last_reason
+
+
+def test_ours_cannot_tell_whether_waiting_pays_from_a_light_load_and_grows_on_a_backlog() -> None:
+    # 4 requests/s: 2..20 ms windows expect 0.01..0.08 arrivals each, whatever the batcher;
+    # a window batcher's batches stay at ~1 here, which says nothing about a heavier load
+    c = VerdictWindow(target_ms=100, window_ms=20, bounds=Bounds(2, 500))
+    for _ in range(20):
+        c.step(stats(30, done=4, batch=1.0, queue=0, arrivals=4), None)
+    assert c.window_ms == 2 and c.batching_pays() is None
+    # the load steps up and the window batcher falls behind: grow, twice as fast when deep
+    assert c.step(stats(400, done=8, batch=1.1, queue=40, arrivals=25), None) == 4
+    assert c.step(stats(500, done=8, batch=1.2, queue=60, arrivals=25), None) == 8
+    assert "capacity is short" in c.last_reason
+
+
+def test_ours_stops_growing_while_the_backlog_it_grew_for_drains() -> None:
+    c = VerdictWindow(target_ms=100, window_ms=10, bounds=Bounds(2, 500))
+    # a window batcher at 25 requests/s: batches of 1 + what 10 ms gathers
+    assert c.step(stats(400, batch=1.2, queue=20, arrivals=25), None) == 20  # deep: twice
+    assert c.step(stats(600, batch=1.5, queue=12, arrivals=25), None) == 20  # draining: hold
+    assert "no longer growing" in c.last_reason
+    assert c.step(stats(600, batch=1.5, queue=14, arrivals=25), None) == 40  # growing again
+
+
+def test_ours_does_not_shrink_back_to_a_window_that_fell_behind() -> None:
+    c = VerdictWindow(target_ms=100, window_ms=50, bounds=Bounds(2, 500))
+    for w in (50, 40, 30, 20, 10, 20, 30, 40, 50):  # a window batcher: batch = 1 + rate x window
+        c.window_ms = w
+        c.step(stats(60, done=20, batch=1 + 20 * w / 1000, queue=0, arrivals=20), None)
+    assert c.batching_pays() is True
+    c.window_ms = 40
+    c.step(stats(400, done=20, batch=1.8, queue=30, arrivals=25), None)  # behind at 40 ms
+    w = c.window_ms
+    assert w > 40
+    # caught up, but the first request of each batch waits the window: P95 over the target.
+    # A wait-bound shrink would fall behind again: it stops at 1.2 x the window that did
+    for _ in range(5):
+        c.step(stats(130, done=25, batch=1 + 25 * c.window_ms / 1000, queue=0, arrivals=25), None)
+    assert c.window_ms == pytest.approx(48)
+    assert "held above 40 ms" in c.last_reason
+    # the load falls away: the memory goes, and so does the window
+    for _ in range(5):
+        c.step(stats(130, done=5, batch=1.2, queue=0, arrivals=5), None)
+    assert c.window_ms < 20
+
+
+def test_ours_sees_at_once_that_batches_are_not_made_by_the_window() -> None:
+    # continuous batching at 7 requests/s and a 2 ms window: batches of 12 running sequences,
+    # where a window gathers 1.01 requests; no spread in the window is needed to see it
+    c = VerdictWindow(target_ms=100, window_ms=2, bounds=Bounds(2, 500))
+    for _ in range(3):
+        c.step(stats(60, done=7, batch=12, queue=0, arrivals=7), None)
+    assert c.batching_pays() is False
+    c.step(stats(300, done=7, batch=12, queue=30, arrivals=9), "server_queueing")
+    assert c.window_ms == 2 and "does not make larger batches" in c.last_reason
+    # a window batcher at the same load gathers what the window holds: it cannot tell yet
+    w = VerdictWindow(target_ms=100, window_ms=2, bounds=Bounds(2, 500))
+    for _ in range(3):
+        w.step(stats(60, done=7, batch=1.0, queue=0, arrivals=7), None)
+    assert w.batching_pays() is None
