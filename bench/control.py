@@ -20,6 +20,7 @@ competitor's pid), given by the fault injector that knows the culprit: it measur
 and the actuator, not the RCA's accuracy.
 
     python bench/control.py window --repeats 2 --duration 30      # ~10 min on 2 cores
+    python bench/control.py window --server-arg=--batcher --server-arg=window ...  # window batcher
     python bench/control.py cpu --duration 60                     # act, then observe; root
 """
 

@@ -11,8 +11,10 @@ its x-request-id, status, token counts, wall-clock times (time.time_ns) and inte
 
 Token counts: prompt tokens are the whitespace-separated words of the prompt (token-id lists
 count one each, at least 1), or the request's `prompt_tokens` field when given; the output is
-always exactly `max_tokens` tokens. The batcher (inference_model.Engine) asks the agent for its
-batch window through sits_trace.client and reports queue depth and batch size to it.
+always exactly `max_tokens` tokens. The batcher (inference_model.Engine: continuous batching, or
+with `--batcher window` whole batches dispatched when the window closes, run side by side) asks
+the agent for its batch window through sits_trace.client and reports queue depth and batch
+size to it.
 `--bulk-loader BYTES_PER_S` adds a background bulk host-to-device copier (a memcpy on CPU),
 paced by CopyPacer: the PCIe competitor of the latency-critical copies.
 """

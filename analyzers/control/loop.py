@@ -204,7 +204,8 @@ class ControlLoop:
         if before is None or abs(self.window_ms - before) > 0.1 * before:
             self._record("batch_window", cause.cause if cause else "", applied=False,
                          service=service, window_ms=self.window_ms, previous_ms=before,
-                         p95_ms=stats.p95_ms, controller=self.controller.name)
+                         p95_ms=stats.p95_ms, controller=self.controller.name,
+                         reason=getattr(self.controller, "last_reason", ""))
 
     def _cause(self, service: str, now: float) -> Cause | None:
         seen = self._latest.get(service)

@@ -229,6 +229,8 @@ def test_window_follows_latency_and_the_verdict(tmp_path: Path) -> None:
     loop.tick()
     grown = loop.board.snapshot()[0]["batch_window_ms"]
     assert grown > 50  # backlog: bigger batches
+    moved = [r for r in RECORDS[id(loop)] if r["kind"] == "batch_window"][-1]
+    assert moved["window_ms"] == grown and "backlog" in moved["reason"]  # says why
     clock.t += 1
     loop.board.report("llm", queue_depth=40, batch_size=3)
     feed(loop, 300)
