@@ -67,14 +67,16 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 30
     raise AssertionError("server did not become healthy")
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Generator[tuple[str, Path], None, None]:
+@pytest.fixture(params=["continuous", "window"])
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Generator[tuple[str, Path], None, None]:
     port = free_port()
     log = tmp_path / "server.jsonl"
-    # a 3 ms step floor stands in for a bigger model, so requests overlap and batch
+    # a 3 ms step floor stands in for a bigger model, so requests overlap and batch; the
+    # window batcher's 20 ms window gathers each burst of the trace below into batches
     proc = subprocess.Popen(
         [sys.executable, str(SERVER), "--port", str(port), "--log", str(log),
          "--hidden", "256", "--vocab", "4096", "--max-batch", "8", "--step-floor-ms", "3",
+         "--batcher", request.param, "--batch-window-ms", "20",
          "--control-socket", str(tmp_path / "no-agent.sock")],
         stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
