@@ -206,7 +206,6 @@ class Engine:
         self.instances = instances  # window batcher: groups running at once (0: no bound)
         self._groups: list[list[Sequence]] = []  # window batcher: the dispatched batches
         self._turn = 0  # window batcher: the group whose call is next
-        self._calls_work = 0  # sequences in the last model call
         self.model = model
         self.deliver = deliver
         self.max_batch = max_batch
@@ -241,19 +240,23 @@ class Engine:
         return waiting
 
     def _run(self) -> None:
-        window = self.batcher == "window"
         while not self._stop.is_set():
             self._drain(self._idle_wait())
-            if window:
-                self._dispatch()
-                if self._groups:
-                    self._group_step()
-            else:
-                self._admit()
-                if self._active:
-                    self.step()
-            self.stats.queue_depth = self.queue_depth()
-            self.stats.active = len(self._active) + sum(len(g) for g in self._groups)
+            self.tick()
+
+    def tick(self) -> None:
+        """One pass of the engine thread, on what has arrived: admit or dispatch what is
+        due, then one model call."""
+        if self.batcher == "window":
+            self._dispatch()
+            if self._groups:
+                self._group_step()
+        else:
+            self._admit()
+            if self._active:
+                self.step()
+        self.stats.queue_depth = self.queue_depth()
+        self.stats.active = len(self._active) + sum(len(g) for g in self._groups)
 
     def _idle_wait(self) -> float | None:
         """How long to block for new requests: 0 while running, until the window ends while
@@ -303,7 +306,7 @@ class Engine:
         """Window batcher: one model call for the group whose turn it is."""
         self._turn %= len(self._groups)
         group = self._groups[self._turn]
-        group[:] = self._run_call(group)
+        group[:], _ = self._run_call(group)
         if group:
             self._turn += 1
         else:
@@ -312,18 +315,18 @@ class Engine:
     def step(self) -> None:
         """One model call: a prefill chunk for sequences still in prefill, one decode token for
         the others; then deliver what it produced."""
-        self._active = self._run_call(self._active)
-        if self._calls_work:
-            self.stats.last_batch = self._calls_work
+        self._active, n = self._run_call(self._active)
+        if n:
+            self.stats.last_batch = n
 
-    def _run_call(self, batch: list[Sequence]) -> list[Sequence]:
-        """One model call over `batch`; returns the sequences of it not yet done."""
+    def _run_call(self, batch: list[Sequence]) -> tuple[list[Sequence], int]:
+        """One model call over `batch`: the sequences of it not yet done, and how many the
+        call ran."""
         started = self._clock()
         batch = [s for s in batch if not s.cancelled]
         work = self._plan(batch)
-        self._calls_work = len(work)
         if not work:
-            return batch
+            return batch, 0
         ids = [w[1] for w in work]
         nxt, pools = self.model.forward(ids, pooled=any(s.max_tokens == 0 for s, _ in work))
         events = [self._advance(s, len(t), n, pools[i] if pools else None)
@@ -334,7 +337,7 @@ class Engine:
         self._floor(started)
         if produced:
             self.deliver(produced)
-        return [s for s in batch if not s.done]
+        return [s for s in batch if not s.done], len(work)
 
     def _plan(self, batch: list[Sequence]) -> list[tuple[Sequence, npt.NDArray[np.int64]]]:
         budget = self.prefill_chunk

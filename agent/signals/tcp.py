@@ -276,9 +276,7 @@ class TcpSignals:
         try:
             return self._batch_stats[key]
         except KeyError:
-            raw = self.maps.lookup("tcp_conns", key)
-            st = self._batch_stats[key] = TcpConnStats.from_bytes(raw) if raw is not None \
-                else None
+            st = self._batch_stats[key] = self.conn_stats(conn)
             return st
 
     def annotate(self, ex: Exchange, span: Span) -> None:

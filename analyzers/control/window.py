@@ -225,7 +225,7 @@ class VerdictWindow:
             self.gathered = _ewma(self.gathered, stats.batch_size / (1.0 + expected), 0.3)
             if not backlog:
                 self.model.add(stats.batch_size, max(0.0, stats.p95_ms - self.window_ms))
-        proposal, self.last_reason = self._propose(stats, backlog)
+        proposal, self.last_reason = self._propose(stats, backlog, rate)
         proposal = self._hold(proposal, backlog, rate)
         self._last_queue = stats.queue_depth
         if not backlog:
@@ -236,7 +236,7 @@ class VerdictWindow:
         self.window_ms = self.bounds.clip(proposal)
         return self.window_ms
 
-    def _propose(self, s: IntervalStats, backlog: bool) -> tuple[float, str]:
+    def _propose(self, s: IntervalStats, backlog: bool, rate: float) -> tuple[float, str]:
         assert s.p95_ms is not None and self.ewma_ms is not None
         w, t = self.window_ms, self.target_ms
         hot = s.p95_ms > t or self.ewma_ms > 0.9 * t
@@ -248,7 +248,7 @@ class VerdictWindow:
             if q is not None and last is not None and q <= 1.1 * last and self.grown_in_backlog:
                 return w, "backlog no longer growing since the window grew: hold"
             self.grown_in_backlog = True
-            self.short = (w, s.arrival_rps or s.throughput_rps)  # this window fell behind
+            self.short = (w, rate)  # this window fell behind
             deep = (q or 0.0) >= 4 * max(1.0, s.batch_size or 1.0)
             return w * (2.0 if deep else 1.5), "backlog: capacity is short, larger batches"
         if hot:
@@ -257,7 +257,7 @@ class VerdictWindow:
             return w * 0.8, "waiting buys no larger batches: the window is pure latency"
         if pays is None:
             return w * 0.85, "probing down: a window costs latency until it is seen to pay"
-        fit = self._fit(s)
+        fit = self._fit(rate)
         if fit is not None:
             return fit, "model: the window that spends the latency budget"
         if backlog:
@@ -284,12 +284,11 @@ class VerdictWindow:
             return max(proposal, min(self.window_ms, 1.2 * self.short[0]))
         return proposal
 
-    def _fit(self, s: IntervalStats) -> float | None:
+    def _fit(self, rate: float) -> float | None:
         """Largest window whose predicted P95 (window + a + b*size) stays within the budget."""
         coef, sizes = self.model.coef(), self.sizes.coef()
         if coef is None or sizes is None:
             return None
-        rate = s.arrival_rps or s.throughput_rps
         a, b = coef
         best = None
         for w in _grid(self.bounds):

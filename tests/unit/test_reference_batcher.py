@@ -68,35 +68,23 @@ def arrive(eng: Any, clock: Clock, n: int, tokens: int = 3) -> list[Any]:
     return seqs
 
 
-def tick(eng: Any) -> None:
-    """One pass of the engine thread's loop, without blocking."""
-    if eng.batcher == "window":
-        eng._dispatch()
-        if eng._groups:
-            eng._group_step()
-    else:
-        eng._admit()
-        if eng._active:
-            eng.step()
-
-
 def test_window_batcher_waits_the_window_then_runs_the_group_to_its_end() -> None:
     eng, model, clock, events = engine("window", window_ms=50)
     first = arrive(eng, clock, 2)
-    tick(eng)
+    eng.tick()
     assert model.calls == [] and eng.queue_depth() == 2  # the window is open: nothing runs
     clock.t += 0.049
-    tick(eng)
+    eng.tick()
     assert model.calls == []
     clock.t += 0.002
-    tick(eng)  # the window closed: one group of 2, its prefill call
+    eng.tick()  # the window closed: one group of 2, its prefill call
     assert model.calls == [2] and eng.stats.last_batch == 2
     late = arrive(eng, clock, 1)  # does not join the running group
-    tick(eng)
+    eng.tick()
     assert model.calls == [2, 2]
     assert eng.queue_depth() == 1  # the late one waits in its own window
     for _ in range(5):
-        tick(eng)
+        eng.tick()
     assert all(s.done for s in first)
     tokens = [e for e in events if e.seq in first]
     assert len(tokens) == 6 and sum(e.finished for e in tokens) == 2
@@ -106,11 +94,11 @@ def test_window_batcher_waits_the_window_then_runs_the_group_to_its_end() -> Non
 def test_window_batcher_dispatches_a_full_batch_at_once_and_groups_take_turns() -> None:
     eng, model, clock, _ = engine("window", window_ms=1000, max_batch=4)
     arrive(eng, clock, 6)
-    tick(eng)
+    eng.tick()
     assert model.calls == [4]  # full: no wait; the other 2 wait for their window
     clock.t += 1.0
-    tick(eng)  # the second group is dispatched; the turn is its
-    tick(eng)
+    eng.tick()  # the second group is dispatched; the turn is its
+    eng.tick()
     assert model.calls == [4, 2, 4]  # one call per group, in turn: small groups cost calls
     assert eng.stats.last_batch == 2
     assert eng.stats.steps == 3
@@ -119,21 +107,21 @@ def test_window_batcher_dispatches_a_full_batch_at_once_and_groups_take_turns() 
 def test_window_batcher_bounds_the_groups_running_at_once() -> None:
     eng, model, clock, _ = engine("window", window_ms=0, max_batch=8, instances=1)
     arrive(eng, clock, 1)
-    tick(eng)
+    eng.tick()
     arrive(eng, clock, 3)  # the only instance is busy: these wait, then go as one group
     for _ in range(3):
-        tick(eng)
+        eng.tick()
     assert model.calls[:3] == [1, 1, 1]
-    tick(eng)
+    eng.tick()
     assert model.calls[3] == 3
 
 
 def test_continuous_batcher_admits_late_arrivals_into_the_running_batch() -> None:
     eng, model, clock, _ = engine("continuous", window_ms=0)
     arrive(eng, clock, 2)
-    tick(eng)
+    eng.tick()
     arrive(eng, clock, 1)
-    tick(eng)
+    eng.tick()
     assert model.calls == [2, 3]  # one call for everyone running
     assert eng.stats.last_batch == 3
 
