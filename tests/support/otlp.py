@@ -72,12 +72,14 @@ class _Store:
         self.metrics: list[metrics_service_pb2.ExportMetricsServiceRequest] = []
         self.logs: list[ReceivedLog] = []
         self.headers: list[dict[str, str]] = []
-        self.delay_s = 0.0  # a slow collector
+        # a stalled collector: clear it and every trace export waits (answered with nothing)
+        # until it is set again
+        self.gate = threading.Event()
+        self.gate.set()
 
     def add_traces(self, req: trace_service_pb2.ExportTraceServiceRequest,
                    headers: dict[str, str]) -> None:
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        self.gate.wait(60)
         got = [ReceivedSpan(attributes(rs.resource.attributes), ss.scope.name, sp)
                for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
         with self.lock:

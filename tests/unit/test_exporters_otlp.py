@@ -259,7 +259,9 @@ def test_collector_outage_under_load(protocol: str, proc_root: str) -> None:
         print(f"{protocol}: offered={offered} p50={statistics.median(lat)*1e6:.1f}us "
               f"p99={p99*1e6:.1f}us max={worst*1e3:.2f}ms peak_heap={peak/2**20:.1f}MiB "
               f"(~{per_span}B/span) dropped={st.dropped}")
-        assert p99 < 0.002 and worst < 0.05
+        # worst: under otlp_timeout_s (0.5 s), with room for the scheduler of a loaded
+        # 2-core machine (a 188-ms pause seen once in CI in the test below)
+        assert p99 < 0.002 and worst < 0.4
 
         r2 = RECEIVERS[protocol](port).start()
         try:
@@ -295,18 +297,26 @@ def _bytes_per_span() -> int:
     return max((b - a) // 1000, 1)
 
 
-def test_slow_collector_never_stalls_the_caller(proc_root: str) -> None:
+def test_stalled_collector_never_stalls_the_caller(proc_root: str) -> None:
     r = GrpcReceiver().start()
-    r.delay_s = 0.3  # every export request takes 300 ms
+    r.gate.clear()  # the collector takes requests and answers none until released
     s = settings(r.endpoint, queue_size=1000, batch_size=100)
     exp = OtlpExporter(s, proc_root=proc_root, hostname="h")
     try:
-        worst = 0.0
+        lat = []
         for i in range(5000):
             t0 = time.perf_counter()
             exp.export([make_span(i)])
-            worst = max(worst, time.perf_counter() - t0)
-        assert worst < 0.05
+            lat.append(time.perf_counter() - t0)
+            assert lat[-1] < 1.0, f"export {i} waited {lat[-1]:.2f} s on the stalled collector"
+        # the caller finished while the collector had answered nothing: it waited on no request
+        assert not r.spans
+        r.gate.set()
+        lat.sort()
+        # a caller that waited on the collector would wait out otlp_timeout_s (2 s): the 1-s
+        # bound on each call leaves room for the scheduler of a loaded 2-core machine (188 ms
+        # seen once in CI); the p99 is where the queue's cost shows
+        assert lat[int(len(lat) * 0.99)] < 0.002, (lat[len(lat) // 2], lat[-1])
         assert exp.stats().dropped["queue_full"] > 0
         assert exp.force_flush(15)
         st = exp.stats()
@@ -314,6 +324,7 @@ def test_slow_collector_never_stalls_the_caller(proc_root: str) -> None:
         assert 0 < st.exported <= len(r.spans) <= st.exported + st.dropped.get("export_failed", 0)
         assert st.exported + st.dropped["queue_full"] == 5000
     finally:
+        r.gate.set()
         exp.shutdown()
         r.stop()
 
