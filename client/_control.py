@@ -176,10 +176,15 @@ class ControlClient:
             return default
         return d.copy_budget_bytes_per_s
 
-    def report(self, queue_depth: int, batch_size: int, service: str) -> bool:
-        """Tell the agent the server's load; False when it could not be told."""
-        request = {"op": "report", "queue_depth": int(queue_depth),
-                   "batch_size": int(batch_size), "service": service}
+    def report(self, queue_depth: int, batch_size: int, service: str,
+               arrivals: int | None = None) -> bool:
+        """Tell the agent the server's load; False when it could not be told. `arrivals`:
+        requests received since the server started (a running count: a lost report loses
+        nothing), which lets the agent see the load before the requests finish."""
+        request: dict[str, Any] = {"op": "report", "queue_depth": int(queue_depth),
+                                   "batch_size": int(batch_size), "service": service}
+        if arrivals is not None:
+            request["arrivals"] = int(arrivals)
         with self._lock:
             return self._ask(request, self._clock()) is not None
 

@@ -188,6 +188,7 @@ class EngineStats:
     last_batch: int = 0
     queue_depth: int = 0
     active: int = 0
+    submitted: int = 0  # requests handed to the engine since it started (the arrivals)
 
 
 BATCHERS = ("continuous", "window")
@@ -229,6 +230,7 @@ class Engine:
         self._thread.join(timeout=5)
 
     def submit(self, seq: Sequence) -> None:
+        self.stats.submitted += 1  # the server's event loop is the one caller
         self._inbox.put(seq)
 
     def queue_depth(self) -> int:

@@ -299,7 +299,7 @@ class Service:
         while not self._stop.wait(self.control_interval_s):
             self.engine.window_ms = self.control.batch_window_ms(self.opts.batch_window_ms)
             self.control.report(self.engine.queue_depth(), self.engine.stats.last_batch,
-                                self.opts.service)
+                                self.opts.service, arrivals=self.engine.stats.submitted)
             if self.loader is not None:
                 self.loader.follow(self.control)
 

@@ -5,7 +5,8 @@ client likes:
 
     {"op": "get"}  ->  {"ok": true, "decisions": {"batch_window_ms", "stream_priority",
                         "copy_budget_bytes_per_s", "cpu_actions"}, "version": N}
-    {"op": "report", "queue_depth": N, "batch_size": N, "service": "name"}  ->  {"ok": true}
+    {"op": "report", "queue_depth": N, "batch_size": N, "service": "name",
+     "arrivals": N (optional: requests received since the server started)}  ->  {"ok": true}
     anything else  ->  {"ok": false, "error": "one line"}
 
 The socket is owned by root (the agent's user), mode 0660, group `group` (root's when
@@ -113,7 +114,11 @@ def _report(board: DecisionBoard, req: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(service, str) or not 0 < len(service) <= 256:
         return _error("service must be a string of 1..256 characters")
     assert isinstance(q, int) and isinstance(b, int)
-    if not board.report(service, q, b):
+    arrivals = req.get("arrivals")
+    if arrivals is not None and (isinstance(arrivals, bool) or not isinstance(arrivals, int)
+                                 or not 0 <= arrivals < 2**63):
+        return _error("arrivals must be an integer 0..2^63")
+    if not board.report(service, q, b, arrivals):
         return _error("too many services reporting")
     return {"ok": True}
 

@@ -2,7 +2,8 @@
 
 `version` grows by one each time a decision changes, so a client can tell a new decision
 from the one it has. Reports are kept per service and summed until the control loop takes
-them once per interval (mean batch size, mean queue depth).
+them once per interval (mean batch size, mean queue depth, and the requests that arrived,
+from the running count a server may send).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ class _ReportSums:
     batch: int = 0
     queue: int = 0
     last_unix: float = 0.0
+    arrivals: int | None = None  # the server's running count, latest
+    arrivals_taken: int | None = None  # ... when the loop last took the reports
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class ReportSummary:
     reports: int
     mean_batch_size: float
     mean_queue_depth: float
+    arrivals: int | None = None  # requests the server received since the last take
 
 
 class DecisionBoard:
@@ -63,7 +67,8 @@ class DecisionBoard:
         self.publish(batch_window_ms=None, stream_priority=None, copy_budget_bytes_per_s=None,
                      cpu_actions=[])
 
-    def report(self, service: str, queue_depth: int, batch_size: int) -> bool:
+    def report(self, service: str, queue_depth: int, batch_size: int,
+               arrivals: int | None = None) -> bool:
         """Add one report; False when the table of services is full (a new one is refused)."""
         with self._lock:
             sums = self._reports.get(service)
@@ -75,6 +80,8 @@ class DecisionBoard:
             sums.batch += batch_size
             sums.queue += queue_depth
             sums.last_unix = self._wall()
+            if arrivals is not None:
+                sums.arrivals = arrivals
             return True
 
     def take_reports(self, service: str) -> ReportSummary | None:
@@ -83,7 +90,12 @@ class DecisionBoard:
             sums = self._reports.get(service)
             if sums is None or sums.n == 0:
                 return None
-            out = ReportSummary(sums.n, sums.batch / sums.n, sums.queue / sums.n)
+            now, before = sums.arrivals, sums.arrivals_taken
+            # a count that went down is a restarted server: no figure for this interval
+            arrivals = now - before if now is not None and before is not None and now >= before \
+                else None
+            sums.arrivals_taken = now
+            out = ReportSummary(sums.n, sums.batch / sums.n, sums.queue / sums.n, arrivals)
             sums.n = sums.batch = sums.queue = 0
             return out
 

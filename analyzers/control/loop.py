@@ -189,6 +189,8 @@ class ControlLoop:
         rep = self.board.take_reports(service)
         with self._lock:
             arrivals = self.arrivals.pop(service, None)
+        if arrivals is None and rep is not None:
+            arrivals = rep.arrivals  # the server's own count
         stats = IntervalStats(duration_s=duration, completed=len(lat), p95_ms=p95(lat),
                               batch_size=rep.mean_batch_size if rep else None,
                               queue_depth=rep.mean_queue_depth if rep else None,

@@ -123,6 +123,8 @@ def test_get_returns_the_agents_decisions(sock_path: str) -> None:
         assert c.report(queue_depth=4, batch_size=2, service="llm") is True
         assert agent.requests[-1] == {"op": "report", "queue_depth": 4, "batch_size": 2,
                                       "service": "llm"}
+        assert c.report(queue_depth=4, batch_size=2, service="llm", arrivals=17) is True
+        assert agent.requests[-1]["arrivals"] == 17
         assert agent.connections == 1  # one connection kept for both
         c.close()
     finally:

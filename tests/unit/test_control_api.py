@@ -50,6 +50,31 @@ def test_report_is_summed_per_service() -> None:
     assert b.take_reports("llm") is None
 
 
+def test_arrivals_are_a_running_count_taken_as_differences() -> None:
+    b = DecisionBoard()
+
+    def report(arrivals: int | None) -> None:
+        req = {"op": "report", "queue_depth": 0, "batch_size": 1, "service": "llm"}
+        if arrivals is not None:
+            req["arrivals"] = arrivals
+        assert ask(b, req) == {"ok": True}
+
+    report(100)
+    s = b.take_reports("llm")
+    assert s is not None and s.arrivals is None  # no count to take a difference from yet
+    report(120)
+    report(None)  # a report without the count keeps the last one
+    report(130)
+    s = b.take_reports("llm")
+    assert s is not None and s.arrivals == 30  # 100 -> 130; a lost report loses nothing
+    report(5)  # the server restarted
+    s = b.take_reports("llm")
+    assert s is not None and s.arrivals is None
+    report(9)
+    s = b.take_reports("llm")
+    assert s is not None and s.arrivals == 4
+
+
 @pytest.mark.parametrize("line", [
     b"not json", b"\xff\xfe", b"[1,2]", b'"get"', b"{}", b'{"op":"put"}',
     b'{"op":"report","queue_depth":-1,"batch_size":1,"service":"s"}',
@@ -57,6 +82,9 @@ def test_report_is_summed_per_service() -> None:
     b'{"op":"report","queue_depth":true,"batch_size":1,"service":"s"}',
     b'{"op":"report","queue_depth":1,"batch_size":1,"service":""}',
     b'{"op":"report","queue_depth":1,"batch_size":1}',
+    b'{"op":"report","queue_depth":1,"batch_size":1,"service":"s","arrivals":-3}',
+    b'{"op":"report","queue_depth":1,"batch_size":1,"service":"s","arrivals":"7"}',
+    b'{"op":"report","queue_depth":1,"batch_size":1,"service":"s","arrivals":1e30}',
     b"[" * 60000 + b"]" * 60000,
 ])
 def test_bad_messages_get_one_line_errors(line: bytes) -> None:
