@@ -143,6 +143,7 @@ class Run:
     records: list[wl.Record]
     windows: list[tuple[float, float | None]]  # (s since start, window ms)
     actions: list[dict[str, Any]] = field(default_factory=list)
+    reasons: list[tuple[float, str]] = field(default_factory=list)  # (s, the controller's why)
     started: float = 0.0  # time.monotonic() of the replay's start
 
 
@@ -185,6 +186,7 @@ def controlled_replay(server: Server, ctl: WindowController, planned: list[wl.Pl
         board.publish(batch_window_ms=ctl.window_ms)
     time.sleep(0.8)  # the server's client re-asks every 0.5 s
     windows: list[tuple[float, float | None]] = []
+    reasons: list[tuple[float, str]] = []
     stop = threading.Event()
     t0 = time.monotonic()
 
@@ -192,6 +194,9 @@ def controlled_replay(server: Server, ctl: WindowController, planned: list[wl.Pl
         while not stop.wait(interval_s):
             loop.tick()
             windows.append((time.monotonic() - t0, loop.window_ms))
+            why = getattr(ctl, "last_reason", None)
+            if why is not None:
+                reasons.append((round(time.monotonic() - t0, 2), why))
             if each_tick is not None:
                 each_tick(loop, verdicts, time.monotonic() - t0)
 
@@ -211,7 +216,7 @@ def controlled_replay(server: Server, ctl: WindowController, planned: list[wl.Pl
         th.join(5)
         loop.stop()
         api.close()
-    return Run(ctl.name, 0, records, windows, actions, t0)
+    return Run(ctl.name, 0, records, windows, actions, reasons, t0)
 
 
 # ---------------------------------------------------------------- numbers
@@ -287,7 +292,8 @@ def window_experiment(a: argparse.Namespace) -> dict[str, Any]:
             server.stop()
     return {"experiment": "window", "args": _jsonable(vars(a)), "requests": len(planned),
             "offered_rps": round(wl.mean_rate([p.at_s for p in planned]), 3), "rows": rows,
-            "windows": {f"{r.name}#{r.repeat}": r.windows for r in runs}}
+            "windows": {f"{r.name}#{r.repeat}": r.windows for r in runs},
+            "reasons": {f"{r.name}#{r.repeat}": r.reasons for r in runs if r.reasons}}
 
 
 def warm_up(server: Server, planned: list[wl.Planned], a: argparse.Namespace) -> None:

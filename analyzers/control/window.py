@@ -169,12 +169,15 @@ class VerdictWindow:
     and batch size against the window (does waiting longer make batches larger at all?
     under continuous batching it does not). A window that does not buy larger batches is
     pure latency: it goes to its floor. One that does is grown under a backlog and, under
-    light load, set to the largest window the latency budget allows.
+    light load, set to the largest window the latency budget allows. Until it can tell, the
+    window takes the headroom the budget leaves, so that a load step finds spare capacity.
+    It never grows past `max_share` of the target.
     """
 
     def __init__(self, target_ms: float, window_ms: float = 20.0, bounds: Bounds = Bounds(),
-                 alpha: float = 0.5, budget: float = 0.5, pays_share: float = 0.3,
-                 hold_load: float = 0.8) -> None:
+                 alpha: float = 0.5, budget: float = 0.7, pays_share: float = 0.3,
+                 hold_load: float = 0.8, max_share: float = 0.8,
+                 rising: float = 1.3) -> None:
         self.name = "ours"
         self.target_ms = target_ms
         self.bounds = bounds
@@ -185,6 +188,12 @@ class VerdictWindow:
         # window join the batch (a window batcher: all of them; continuous batching: none)
         self.pays_share = pays_share
         self.hold_load = hold_load  # a short window is remembered while load stays above this share
+        # never grown past this share of the target: a window that long makes the first request
+        # of every batch miss the target however much it adds to capacity
+        self.max_share = max_share
+        self.overhead_ms: float | None = None  # P95 beyond the window without a backlog, EWMA
+        self.load: float | None = None  # requests/s, slow EWMA: what the window was set for
+        self.rising = rising  # no shrink while the load is above this multiple of `load`
         self.model = BatchLatencyModel()
         # batch size against the requests expected within the window (window x arrival rate):
         # spread in that, not in milliseconds, tells whether waiting buys batch size
@@ -194,6 +203,7 @@ class VerdictWindow:
         self.grown_in_backlog = False  # the window grew during the backlog now going on
         self.gathered: float | None = None  # batch size / (1 + arrivals in a window), EWMA
         self._last_queue: float | None = None
+        self._pressed = False  # this interval found capacity short
         self.last_reason = "start"
 
     def batching_pays(self) -> bool | None:
@@ -225,10 +235,25 @@ class VerdictWindow:
             self.gathered = _ewma(self.gathered, stats.batch_size / (1.0 + expected), 0.3)
             if not backlog:
                 self.model.add(stats.batch_size, max(0.0, stats.p95_ms - self.window_ms))
+        if not backlog and stats.p95_ms <= self.target_ms:  # calm: what the server adds
+            self.overhead_ms = _ewma(self.overhead_ms, max(0.0, stats.p95_ms - self.window_ms),
+                                     self.alpha)
+        self._pressed = False
         proposal, self.last_reason = self._propose(stats, backlog, rate)
         proposal = self._hold(proposal, backlog, rate)
+        if proposal < self.window_ms and self.batching_pays() is not False and self._rising(rate):
+            # the latency rose with the load: a shorter window would take capacity away just
+            # when the load needs more of it
+            proposal = self.window_ms
+            self.last_reason += f"; held: the load is rising (x{rate / (self.load or rate):.1f})"
+        self.load = _ewma(self.load, rate, 0.1)
+        cap = self.max_share * self.target_ms
+        if proposal > max(self.window_ms, cap):
+            proposal = max(self.window_ms, cap)
+            self.last_reason += f"; capped at {cap:.0f} ms ({self.max_share:g} x the target)"
+
         self._last_queue = stats.queue_depth
-        if not backlog:
+        if not self._pressed:
             self.grown_in_backlog = False
         if cause in NOT_BATCHING and proposal > self.window_ms:
             proposal = self.window_ms  # a bigger batch cannot fix it
@@ -244,42 +269,80 @@ class VerdictWindow:
         if hot and backlog:
             if pays is False:
                 return w * 0.5, "backlog, but waiting does not make larger batches"
-            q, last = s.queue_depth, self._last_queue
-            if q is not None and last is not None and q <= 1.1 * last and self.grown_in_backlog:
-                return w, "backlog no longer growing since the window grew: hold"
-            self.grown_in_backlog = True
-            self.short = (w, rate)  # this window fell behind
-            deep = (q or 0.0) >= 4 * max(1.0, s.batch_size or 1.0)
-            return w * (2.0 if deep else 1.5), "backlog: capacity is short, larger batches"
-        if hot:
-            return w * 0.7, "wait-bound: the window is the bottleneck"
+            return self._short_of_capacity(s, w, rate, "backlog")
+        if self.ewma_ms > t:  # over the target (smoothed: one interval holds few requests)
+            if pays is False:
+                return w * 0.7, "wait-bound: the window is pure latency"
+            if self._rising(rate):  # the load rose: queueing, capacity is short
+                return self._short_of_capacity(s, w, rate, "the load rose")
+            excess = self.ewma_ms - t
+            if excess <= 0.5 * w or w > self.max_share * t:  # a shorter window takes it back
+                return max(w * 0.7, w - 1.5 * excess), "wait-bound: the window is the bottleneck"
+            # most of the excess is the server's: a shorter window would take back little
+            # and, where waiting pays, add calls to what is queued
+            return w, "over the target by more than the window could take back: hold"
         if pays is False:
             return w * 0.8, "waiting buys no larger batches: the window is pure latency"
         if pays is None:
-            return w * 0.85, "probing down: a window costs latency until it is seen to pay"
+            return self._headroom(w)
+        # waiting pays: the window shrinks only when it makes requests miss (above); here it
+        # grows to what the learnt model says the budget allows, or for a backlog
         fit = self._fit(rate)
-        if fit is not None:
+        if fit is not None and fit > w:
             return fit, "model: the window that spends the latency budget"
         if backlog:
             return w * 1.2, "backlog building under the target"
-        if self.ewma_ms > 0.75 * t:
-            return w * 0.9, "near the target"
-        return w, "steady"
+        return w, "steady: within the target"
+
+    def _rising(self, rate: float) -> bool:
+        return self.load is not None and rate > self.rising * self.load
+
+    def _short_of_capacity(self, s: IntervalStats, w: float, rate: float,
+                           why: str) -> tuple[float, str]:
+        """Capacity is short and larger batches add to it: grow, unless what is queued has
+        stopped growing since the window last grew."""
+        q, last = s.queue_depth, self._last_queue
+        self._pressed = True
+        if q is not None and last is not None and q <= 1.1 * last and self.grown_in_backlog:
+            return w, f"{why}: no longer growing since the window grew: hold"
+        self._pressed = True
+        self.grown_in_backlog = True
+        # this window fell behind at this load (the slow average: one interval's rate is noisy)
+        self.short = (w, self.load if self.load is not None else rate)
+        deep = (q or 0.0) >= 4 * max(1.0, s.batch_size or 1.0)
+        return w * (2.0 if deep else 1.5), f"{why}: capacity is short, larger batches"
+
+    def _headroom(self, w: float) -> tuple[float, str]:
+        """Before it can tell whether waiting pays: the window the latency budget leaves
+        beyond what the server adds (the overhead). At light load that costs no request its
+        target, and a load step then finds the batcher with spare capacity; a window at its
+        floor would have none. A rising overhead with the window unchanged is queueing, which
+        a shorter window does not cure (on a window batcher it makes it worse): hold, and
+        shrink only a window that alone is past the budget."""
+        budget = self.budget * self.target_ms
+        room = budget - (self.overhead_ms or 0.0)
+        if room > w:
+            return min(room, w * 1.5), "headroom: the window the latency budget leaves"
+        if w > budget:
+            return max(budget, w / 1.5), "headroom: the window alone is past the budget"
+        return w, "headroom spent: the latency beyond the window is not the window's"
 
     def _hold(self, proposal: float, backlog: bool, rate: float) -> float:
         """Remember the window a backlog was seen at: at that load a window that short did not
-        keep up. Once waiting is seen to pay, do not shrink back to it (the shrink that a
-        wait-bound P95 asks for would bring the backlog back: an oscillation). Forgotten when
-        the load falls below `hold_load` of what it was then, or waiting is seen not to pay."""
+        keep up. Unless waiting is seen not to pay, do not shrink back to it (the shrink that
+        a wait-bound P95 asks for would bring the backlog back: an oscillation). Forgotten
+        when the load falls below `hold_load` of what it was then, or waiting is seen not to
+        pay."""
         pays = self.batching_pays()
         if pays is False:
             self.short = None
             return proposal
         if backlog:
             return proposal
-        if self.short is not None and rate < self.hold_load * self.short[1]:
+        load = self.load if self.load is not None else rate
+        if self.short is not None and load < self.hold_load * self.short[1]:
             self.short = None
-        if pays and self.short is not None and proposal < 1.2 * self.short[0]:
+        if self.short is not None and proposal < 1.2 * self.short[0]:
             self.last_reason += f"; held above {self.short[0]:.0f} ms (a backlog there)"
             return max(proposal, min(self.window_ms, 1.2 * self.short[0]))
         return proposal

@@ -14,6 +14,7 @@ from sits_trace.analyzers.control.actuators import CgroupCpuActuator, CpuHierarc
 from sits_trace.analyzers.control.board import DecisionBoard
 from sits_trace.analyzers.control.loop import ControlLoop
 from sits_trace.analyzers.control.verdicts import PushedVerdicts
+from sits_trace.analyzers.control.window import IntervalStats, StaticWindow
 from sits_trace.exporters.otlp_logs import ActionLog
 
 VICTIM = "/user.slice/victim"
@@ -237,6 +238,24 @@ def test_window_follows_latency_and_the_verdict(tmp_path: Path) -> None:
     pushed.push(verdict(cause="network_delay", pid=0))
     loop.tick()
     assert loop.board.snapshot()[0]["batch_window_ms"] <= grown  # never grows for network
+
+
+def test_the_servers_arrival_count_reaches_the_controller(tmp_path: Path) -> None:
+    seen = []
+
+    class Spy(StaticWindow):
+        def step(self, stats: IntervalStats, cause: str | None) -> float:
+            seen.append(stats.arrivals)
+            return self.window_ms
+
+    loop, _, clock, _ = make(tmp_path, "advise", window_ms=50.0)
+    loop.controller = Spy(50.0)
+    for count in (1000, 1040, 1100):
+        loop.board.report("llm", queue_depth=0, batch_size=1, arrivals=count)
+        feed(loop, 30)
+        loop.tick()
+        clock.t += 1
+    assert seen == [None, 40, 60]
 
 
 def test_metrics_and_otlp_records(tmp_path: Path) -> None:
