@@ -177,7 +177,7 @@ class VerdictWindow:
     def __init__(self, target_ms: float, window_ms: float = 20.0, bounds: Bounds = Bounds(),
                  alpha: float = 0.5, budget: float = 0.7, pays_share: float = 0.3,
                  hold_load: float = 0.8, max_share: float = 0.8,
-                 rising: float = 1.3) -> None:
+                 rising: float = 1.3, verdict_ttl: int = 240) -> None:
         self.name = "ours"
         self.target_ms = target_ms
         self.bounds = bounds
@@ -204,21 +204,28 @@ class VerdictWindow:
         self.gathered: float | None = None  # batch size / (1 + arrivals in a window), EWMA
         self._last_queue: float | None = None
         self._pressed = False  # this interval found capacity short
+        self.verdict_ttl = verdict_ttl
+        self._verdict: tuple[bool, int] | None = None  # the sizes fit's last answer, at step n
+        self._steps = 0
         self.last_reason = "start"
 
     def batching_pays(self) -> bool | None:
         """Does a longer window make larger batches? From the fit once the window (times the
-        load) has varied enough; before that, False when batches are far larger than what a
-        window gathers (continuous batching, or a queue that fills batches by itself), else
-        None."""
+        load) has varied enough; the fit's last answer for `verdict_ttl` intervals after its
+        spread has faded (a window at its floor varies no more: without the memory it would
+        probe again); before that, False when batches are far larger than what a window
+        gathers (continuous batching, or a queue that fills batches by itself), else None."""
         c = self.sizes.coef()
         if c is not None:
             return c[1] >= self.pays_share
+        if self._verdict is not None and self._steps - self._verdict[1] <= self.verdict_ttl:
+            return self._verdict[0]
         if self.gathered is not None and self.gathered > 2.0:
             return False
         return None
 
     def step(self, stats: IntervalStats, cause: str | None) -> float:
+        self._steps += 1
         if stats.p95_ms is None:
             self.last_reason = "idle"
             return self.window_ms
@@ -226,12 +233,16 @@ class VerdictWindow:
             self.model.reset()  # the sizes changed: what was learnt no longer holds
             self.sizes.reset()
             self.gathered = None
+            self._verdict = None
         self.ewma_ms = _ewma(self.ewma_ms, stats.p95_ms, self.alpha)
         backlog = _backlog(stats)
         rate = stats.arrival_rps or stats.throughput_rps
         if stats.batch_size is not None:
             expected = self.window_ms * rate / 1000.0  # arrivals within one window
             self.sizes.add(expected, stats.batch_size)
+            c = self.sizes.coef()
+            if c is not None:
+                self._verdict = (c[1] >= self.pays_share, self._steps)
             self.gathered = _ewma(self.gathered, stats.batch_size / (1.0 + expected), 0.3)
             if not backlog:
                 self.model.add(stats.batch_size, max(0.0, stats.p95_ms - self.window_ms))

@@ -260,3 +260,21 @@ def test_ours_sees_at_once_that_batches_are_not_made_by_the_window() -> None:
     for _ in range(3):
         w.step(stats(60, done=7, batch=1.0, queue=0, arrivals=7), None)
     assert w.batching_pays() is None
+
+
+@pytest.mark.parametrize("ttl", [240, 0])
+def test_ours_remembers_that_waiting_does_not_pay_once_the_window_stops_varying(ttl: int) -> None:
+    # continuous batching at 7 requests/s with two sequences running: batches of 2 are no more
+    # than a window gathers, so only the fit can tell. The headroom makes the window vary,
+    # the fit sees batches that do not grow, the window goes to its floor; there its spread
+    # fades from the fit, and without the fit's last answer it would spend the headroom again
+    c = VerdictWindow(target_ms=250, window_ms=30, bounds=Bounds(2, 500), verdict_ttl=ttl)
+    windows = []
+    for _ in range(150):
+        c.step(stats(c.window_ms + 20, done=7, batch=2, queue=0, arrivals=7), None)
+        windows.append(c.window_ms)
+    assert max(windows[:20]) > 100  # the headroom was spent before it could tell
+    if ttl:
+        assert c.batching_pays() is False and max(windows[60:]) == 2
+    else:
+        assert max(windows[60:]) > 50  # what the memory prevents: probing again
