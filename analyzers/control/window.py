@@ -191,7 +191,8 @@ class VerdictWindow:
         # never grown past this share of the target: a window that long makes the first request
         # of every batch miss the target however much it adds to capacity
         self.max_share = max_share
-        self.overhead_ms: float | None = None  # P95 beyond the window without a backlog, EWMA
+        # P95 beyond the window while calm (no backlog, P95 within the target), EWMA
+        self.overhead_ms: float | None = None
         self.load: float | None = None  # requests/s, slow EWMA: what the window was set for
         self.rising = rising  # no shrink while the load is above this multiple of `load`
         self.model = BatchLatencyModel()
@@ -262,7 +263,6 @@ class VerdictWindow:
         if proposal > max(self.window_ms, cap):
             proposal = max(self.window_ms, cap)
             self.last_reason += f"; capped at {cap:.0f} ms ({self.max_share:g} x the target)"
-
         self._last_queue = stats.queue_depth
         if not self._pressed:
             self.grown_in_backlog = False
@@ -316,7 +316,6 @@ class VerdictWindow:
         self._pressed = True
         if q is not None and last is not None and q <= 1.1 * last and self.grown_in_backlog:
             return w, f"{why}: no longer growing since the window grew: hold"
-        self._pressed = True
         self.grown_in_backlog = True
         # this window fell behind at this load (the slow average: one interval's rate is noisy)
         self.short = (w, self.load if self.load is not None else rate)
