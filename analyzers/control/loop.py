@@ -137,7 +137,6 @@ class ControlLoop:
         self.controller = controller or make_controller(opts.controller, opts.slo_ms,
                                                         opts.window_ms, bounds)
         self.latency = LatencyTable()
-        self.arrivals: dict[str, int] = {}
         self._clock, self._wall = clock, wall
         self._on_action = list(on_action)
         self._last_tick: float | None = None
@@ -149,7 +148,6 @@ class ControlLoop:
         self.counts: dict[tuple[str, str, str], int] = {}  # (kind, cause, applied) -> n
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -162,10 +160,6 @@ class ControlLoop:
 
     def observe_latency(self, service: str, ms: float) -> None:
         self.latency.add(service, ms)
-
-    def observe_arrival(self, service: str) -> None:
-        with self._lock:
-            self.arrivals[service] = self.arrivals.get(service, 0) + 1
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -187,14 +181,10 @@ class ControlLoop:
     def _step_window(self, service: str, duration: float, now: float) -> None:
         lat = self.latency.take(service)
         rep = self.board.take_reports(service)
-        with self._lock:
-            arrivals = self.arrivals.pop(service, None)
-        if arrivals is None and rep is not None:
-            arrivals = rep.arrivals  # the server's own count
         stats = IntervalStats(duration_s=duration, completed=len(lat), p95_ms=p95(lat),
                               batch_size=rep.mean_batch_size if rep else None,
                               queue_depth=rep.mean_queue_depth if rep else None,
-                              arrivals=arrivals)
+                              arrivals=rep.arrivals if rep else None)  # the server's count
         self.last_p95_ms = stats.p95_ms
         if self.actuator is not None:
             self.actuator.protected |= self.latency.pids(service)
