@@ -149,10 +149,15 @@ class Kernel:
                 st = ProbeStatus(f"uprobe:{os.path.basename(library)}:{p.symbol}", p.group,
                                  p.required, True)
                 try:
-                    self.bpf.attach_uprobe(name=library, sym=p.symbol, fn_name=p.fn_enter)
+                    # the return probe first: a call whose entry the agent sees then always
+                    # has its return seen too. Entry first, a call entered between the two
+                    # attachments left its entry's state standing (tls.c's `ssl_active`),
+                    # and the thread's next socket read tied that SSL* to another
+                    # connection (CI: two node streams' records crossed)
                     if p.fn_exit:  # "": entry only
                         self.bpf.attach_uretprobe(name=library, sym=p.symbol,
                                                   fn_name=p.fn_exit)
+                    self.bpf.attach_uprobe(name=library, sym=p.symbol, fn_name=p.fn_enter)
                     self._attached.add(key)
                 except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception
                     st.ok = False
