@@ -171,12 +171,23 @@ const http = require("http"), https = require("https"), fs = require("fs");
 const [port, log, key, cert] = process.argv.slice(2);
 const GAP = Number(process.env.SITS_TEST_GAP || "0.003") * 1000;
 // wall clock in ns: the monotonic clock plus an offset taken at the instant Date.now() ticks
-// to its next millisecond (Date.now() alone has 1 ms steps, performance.timeOrigin drifts)
+// to its next millisecond (Date.now() alone has 1 ms steps, performance.timeOrigin drifts).
+// The tick lies between the last read that saw the old millisecond and the first that saw
+// the new one; a tick seen across a preemption (a loaded CI machine: the old read showed
+// 1.0 ms late timings) is not used, nor is one that skipped a millisecond
 const offset = (() => {
-  const t = Date.now();
-  let d;
-  while ((d = Date.now()) === t);
-  return BigInt(d) * 1000000n - process.hrtime.bigint();
+  for (;;) {
+    let prev = Date.now(), before = process.hrtime.bigint();
+    for (;;) {
+      const d = Date.now(), after = process.hrtime.bigint();
+      if (d !== prev) {
+        if (d === prev + 1 && after - before < 20000n)
+          return BigInt(d) * 1000000n - (before + after) / 2n;
+        break;
+      }
+      before = after;
+    }
+  }
 })();
 const now = () => Number(offset + process.hrtime.bigint());
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
