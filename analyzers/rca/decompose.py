@@ -131,7 +131,8 @@ def concurrency(df: pd.DataFrame) -> float:
 def decompose(win: pd.DataFrame, base: pd.DataFrame, metric: str, *,
               deps_win: pd.DataFrame | None = None, deps_base: pd.DataFrame | None = None,
               win_s: float = 10.0, base_s: float = 10.0,
-              psi_mem: tuple[float, float] = (0.0, 0.0)) -> Decomposition:
+              psi_mem: tuple[float, float] = (0.0, 0.0),
+              arrivals: tuple[float, float] | None = None) -> Decomposition:
     col = COLUMN[metric]
     yw, yb = win[col].to_numpy(dtype=float), base[col].to_numpy(dtype=float)
     d = Decomposition(metric, float(np.nanmean(yb)) if np.any(~np.isnan(yb)) else 0.0,
@@ -149,6 +150,10 @@ def decompose(win: pd.DataFrame, base: pd.DataFrame, metric: str, *,
     d.explained_ms[C.HOST_MEMORY_PRESSURE] = d.observed_ms * max(0.0, psi_mem[1] - psi_mem[0])
     _signals(d, win, base, win_s, base_s, (dw, db))
     d.signals["psi_memory_some"] = psi_mem
+    if arrivals is not None:
+        # requests that began in the window (the engine counts those that outlasted it too)
+        # against the baseline's per window: what rank.arrivals_rose reads before `requests`
+        d.signals["arrivals"] = arrivals
     return d
 
 

@@ -82,6 +82,7 @@ class RcaEngine:
         self._procs: collections.deque[ProcSnapshot] = collections.deque(
             maxlen=int(settings.window_s * (settings.baseline_windows + 3)) + 10)
         self._next_end: int | None = None
+        self._late: pd.DataFrame | None = None  # the window being closed: spans that outlasted it
         self.windows = 0
 
     # ---- input ----
@@ -131,7 +132,9 @@ class RcaEngine:
             self._next_end += w
         return out
 
-    def _take(self, end: int) -> pd.DataFrame:
+    def _take(self, end: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """The spans that ended before `end`, and those that ended after it but began
+        before it (requests that arrived in the window and outlasted it)."""
         with self._lock:
             rows, keep = self._rows, []
             self._rows = []
@@ -139,11 +142,14 @@ class RcaEngine:
         keep = [r for r in rows if float(r[0]) >= end] if rows else []
         with self._lock:
             self._rows = keep + self._rows
-        return to_frame(win) if win else empty_frame()
+        late = [r for r in keep if float(r[1]) < end]
+        return (to_frame(win) if win else empty_frame(),
+                to_frame(late) if late else empty_frame())
 
     def _close(self, t0: int, t1: int, now: int) -> list[Verdict]:
-        df = self._take(t1)
+        df, late = self._take(t1)
         df = df[df["end_ns"].to_numpy() >= t0]
+        self._late = late[late["start_ns"].to_numpy() >= t0]
         self.windows += 1
         out: list[Verdict] = []
         if not len(df):
@@ -204,7 +210,9 @@ class RcaEngine:
                pw.psi.get("memory_some", 0.0) if pw else 0.0)
         nb = max(len(grp.frames), 1)
         d = decompose(g, base, metric, deps_win=deps, deps_base=bdeps,
-                      win_s=(t1 - t0) / 1e9, base_s=nb * (t1 - t0) / 1e9, psi_mem=psi)
+                      win_s=(t1 - t0) / 1e9, base_s=nb * (t1 - t0) / 1e9, psi_mem=psi,
+                      arrivals=self._arrivals(g, base, nb, (svc, route, kind), (t0, t1),
+                                              (b0, b1)))
         ctx = rank.Context(set(g["pid"].astype(int)), g, base, deps, bdeps, pw, pb,
                            *self._frames(t0, t1, b0, b1))
         if self._exclude is not None:
@@ -219,6 +227,27 @@ class RcaEngine:
         causes = rank.ranked(d, ctx, scores(self.model, f, rules))
         return Verdict(now, svc, route, breach, causes, t0, t1,
                        "CLIENT" if kind else "SERVER", f)
+
+    def _arrivals(self, g: pd.DataFrame, base: pd.DataFrame, nb: int,
+                  key: tuple[str, str | None, int], win: tuple[int, int],
+                  span: tuple[int, int]) -> tuple[float, float]:
+        """Requests that arrived in the window (began in it, whenever they ended, as far as
+        the grace period shows) against what the baseline's `nb` windows brought each.
+        Counted by completion, a server that stalled and then drained its queue into the
+        window looked like a load rise (CI: 6.6 requests/s against 3.7 in a memory fault's
+        first window, the load generator's own schedule 4-6/s) and the wait went to
+        server_queueing."""
+        svc, route, kind = key
+        late = self._late if self._late is not None else g.iloc[:0]
+        if len(late):
+            keep = (late["service"].to_numpy() == svc) & (late["client"].to_numpy() == kind)
+            if route is not None:
+                keep &= late["route"].to_numpy() == route
+            late = late[keep]
+        seen = int(np.count_nonzero(g["start_ns"].to_numpy() >= win[0])) + len(late)
+        bs = base["start_ns"].to_numpy()
+        before = int(np.count_nonzero((bs >= span[0]) & (bs < span[1])))
+        return before / max(nb, 1), float(seen)
 
     def _proc_delta(self, t0: int, t1: int) -> ProcDelta | None:
         if len(self._procs) < 2 or t1 <= t0:

@@ -181,10 +181,12 @@ def arrivals_rose(d: Decomposition, f: Mapping[str, float]) -> bool:
     5 s windows at 4 requests/s see 28 instead of 20 one time in twenty (z 1.7). A live CI
     run of the memory test: a stalled server's window had 5.6 requests/s against 4.1 (its
     queue drained into the window), and the wait the stall caused went to server_queueing.
-    Without the counts (a hand-made decomposition), the rate alone decides."""
+    So the count is of arrivals (requests that began in the window, the engine's `arrivals`
+    signal), not of completions, where the engine gives it; without any counts (a hand-made
+    decomposition), the rate alone decides."""
     if f["log_rate"] <= 0.15:
         return False
-    expected, seen = d.signals.get("requests", (0.0, 0.0))
+    expected, seen = d.signals.get("arrivals") or d.signals.get("requests", (0.0, 0.0))
     return expected <= 0 or (seen - expected) / math.sqrt(expected) > RATE_Z
 
 

@@ -253,3 +253,62 @@ def test_verdict_comes_within_a_grace_of_the_window_end() -> None:
     lag = (vs[0].time_unix_nano - vs[0].window_end_unix_nano) / 1e9
     assert 0 <= lag <= 2.0
     assert vs[0].window_start_unix_nano <= T0 + 30 * SEC < vs[0].window_end_unix_nano + 2 * SEC
+
+
+def _stall_run(stall: tuple[float, float], *, rate: int = 20, surge: float = 1.0,
+               service_ms: float = 5.0, stall_psi: float = 0.5,
+               seconds: int = 40) -> list[Verdict]:
+    """A one-at-a-time server (`service_ms` a request) stalls over `stall` (seconds) on memory: what
+    arrives meanwhile waits and is answered back to back when it ends, so the window after
+    sees more completions than arrivals. Pressure stall information says memory. `surge`
+    multiplies the arrivals from the stall's start instead (a load rise, the queue real)."""
+    eng = RcaEngine(RcaSettings(window_s=2), [], model=None, exclude_pids=set())
+    s0, s1 = int(stall[0] * SEC), int(stall[1] * SEC)
+    free = 0  # when the server can take the next request (ns since T0)
+    spans: list[Span] = []
+    t = 0.0
+    while t < seconds:
+        at = int(t * SEC)
+        begin = max(at, free, s1 if s0 <= at < s1 and surge == 1.0 else 0)
+        free = begin + int(service_ms * 1e6)
+        spans.append(_span(T0 + at, (free - at) / 1e6, {}))
+        t += 1.0 / (rate * (surge if at >= s0 else 1.0))
+    spans.sort(key=lambda s: s.end_time_unix_nano)
+    out: list[Verdict] = []
+    psi = 0.0
+    nxt = 1
+    for s in spans:
+        while T0 + nxt * SEC <= s.end_time_unix_nano:
+            if s0 <= nxt * SEC <= max(s1, s0 + 2 * SEC):
+                psi += stall_psi  # of each second, stalled on memory (reclaim, faults)
+            eng.add_procs(ProcSnapshot(T0 + nxt * SEC, {VICTIM: ("srv", 0.3 * nxt, 50.0,
+                                                                 0.0, 0.0, VICTIM, 0.0)},
+                                       {"memory_some": psi}))
+            nxt += 1
+        out += eng.advance(s.end_time_unix_nano)
+        eng.add(s)
+    return out + eng.advance(T0 + (seconds + 5) * SEC)
+
+
+def test_a_stall_that_drains_into_the_window_is_not_a_load_rise() -> None:
+    """Requests that arrived during a memory stall begun before the window are answered in it:
+    60 completions against the baseline's 40, 40 arrivals. Counted by completion, that was a
+    load rise and the wait went to server_queueing (a live CI run of the memory test)."""
+    vs = _stall_run((29.0, 30.5))
+    assert vs, "a 1.5-s stall must be detected"
+    first = vs[0]
+    assert first.window_start_unix_nano == T0 + 30 * SEC  # the drain's window
+    assert first.features["log_rate"] > 0.3  # completions rose ...
+    top = first.causes[0]
+    assert top.cause == "host_memory_pressure", [(c.cause, c.score) for c in first.causes]
+
+
+def test_arrivals_that_outlast_their_window_still_count_as_a_load_rise() -> None:
+    """Three times the arrivals on a server that answers 25 a second: the queue grows and
+    most of the window's 120 arrivals end after it (its completions: 50 against the
+    baseline's 40, no more than chance); counted where they began, those the grace period
+    shows make the rise. Some memory pressure too (5% of each second): the queue is still
+    the arrivals'."""
+    vs = _stall_run((30.0, 30.0), rate=20, surge=3.0, service_ms=40.0, stall_psi=0.05)
+    assert vs and vs[0].window_start_unix_nano == T0 + 30 * SEC
+    assert vs[0].causes[0].cause == "server_queueing", [(c.cause, c.score) for c in vs[0].causes]
