@@ -7,10 +7,9 @@ keep-alive request and response, two records per exchange; a uvicorn-like SSE st
 `--tokens` events, per-write records against the kernel's folded summary) through the
 agent's own code, one stage at a time, and prints the median over `--repeat` runs of each
 stage's µs per span (process CPU time). `otlp` is the shipped encoder (exporters/_otlp_traces.py:
-our spans straight into the protobuf messages, a request per batch of 512); `otlp_sdk` the
-path before it (an SDK ReadableSpan per span, then the SDK's encoder), and `otlp_wire_proto` a
-prototype that writes the protobuf bytes by hand (checked by parsing them back); neither of
-those two is counted in total_us. The node signals (TCP, run queue) are not in here:
+our spans straight into the request's protobuf bytes, a request per batch of 512); `otlp_sdk`
+the path before it (an SDK ReadableSpan per span, then the SDK's encoder), not counted in
+total_us. The node signals (TCP, run queue) are not in here:
 they read kernel maps; bench/overhead.py measures the whole agent, them included.
 """
 
@@ -162,87 +161,9 @@ def otlp_encoder() -> Callable[[list[Span]], int]:
         return {"service.name": "nginx", "process.pid": int(sp.attributes.get("process.pid", 0))}
 
     def encode(spans: list[Span]) -> int:
-        return sum(len(encode_batch(spans[i:i + 512], resource).SerializeToString())
+        return sum(len(encode_batch(spans[i:i + 512], resource))
                    for i in range(0, len(spans), 512))
     return encode
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _ld(field: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field."""
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-_KEYS: dict[str, bytes] = {}
-
-
-def otlp_wire_encoder() -> Callable[[list[Span]], int]:
-    """A prototype: OTLP ExportTraceServiceRequest bytes written by hand (protobuf wire format),
-    checked against the upb messages by parsing them back (bench only, not the exporter)."""
-    kinds = {"SERVER": 2, "CLIENT": 3}
-    fixed = struct.Struct("<Q")
-
-    def span_bytes(sp: Span) -> bytes:
-        parts = [_ld(1, bytes.fromhex(sp.trace_id)), _ld(2, bytes.fromhex(sp.span_id))]
-        if sp.parent_span_id:
-            parts.append(_ld(4, bytes.fromhex(sp.parent_span_id)))
-        parts.append(_ld(5, sp.name.encode()))
-        parts.append(b"\x30" + _varint(kinds.get(sp.kind, 1)))
-        parts.append(b"\x39" + fixed.pack(sp.start_time_unix_nano))
-        parts.append(b"\x41" + fixed.pack(sp.end_time_unix_nano))
-        parts.extend(_kv9(k, v) for k, v in sp.attributes.items() if not k.startswith("process."))
-        return b"".join(parts)
-
-    scope = _ld(1, _ld(1, b"sits-trace"))
-
-    def encode(spans: list[Span]) -> int:
-        n = 0
-        for i in range(0, len(spans), 512):
-            body = b"".join(_ld(2, span_bytes(sp)) for sp in spans[i:i + 512])
-            n += len(_ld(1, _ld(2, scope + body)))
-        return n
-    encode.request = lambda spans: _ld(1, _ld(2, scope + b"".join(  # type: ignore[attr-defined]
-        _ld(2, span_bytes(sp)) for sp in spans)))
-    return encode
-
-
-def _kv9(k: str, v: object) -> bytes:
-    """Span.attributes is field 9."""
-    key = _KEYS.get(k)
-    if key is None:
-        key = _KEYS[k] = _ld(1, k.encode())
-    if isinstance(v, bool):
-        val = b"\x10" + (b"\x01" if v else b"\x00")
-    elif isinstance(v, int):
-        val = b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)
-    elif isinstance(v, float):
-        val = b"\x21" + struct.pack("<d", v)
-    else:
-        val = _ld(1, str(v).encode())
-    return _ld(9, key + _ld(2, val))
-
-
-def check_wire(spans: list[Span]) -> None:
-    """The hand-written bytes parse back (upb) into the same spans and attributes."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-    )
-    got = ExportTraceServiceRequest.FromString(otlp_wire_encoder().request(spans))  # type: ignore[attr-defined]
-    out = got.resource_spans[0].scope_spans[0].spans
-    assert len(out) == len(spans)
-    for a, b in zip(out, spans, strict=True):
-        assert (a.trace_id.hex(), a.span_id.hex(), a.name, a.end_time_unix_nano) == (
-            b.trace_id, b.span_id, b.name, b.end_time_unix_nano)
-        attrs = {kv.key: getattr(kv.value, str(kv.value.WhichOneof("value"))) for kv in a.attributes}
-        assert attrs == {k: v for k, v in b.attributes.items() if not k.startswith("process.")}
 
 
 def stages(records: list[bytes]) -> dict[str, float]:
@@ -261,9 +182,6 @@ def stages(records: list[bytes]) -> dict[str, float]:
     sdk = otlp_sdk_encoder()
     if sdk is not None:
         out["otlp_sdk"] = cpu_us(lambda: sdk(spans))
-    wire = otlp_wire_encoder()
-    check_wire(spans[:200])
-    out["otlp_wire_proto"] = cpu_us(lambda: wire(spans))
     n = max(1, len(spans))
     per = {k: v / n for k, v in out.items()}
     per["spans"] = len(spans)
@@ -288,8 +206,7 @@ def main() -> None:
         runs = [stages(recs) for _ in range(a.repeat)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         med["total_us"] = sum(v for k, v in med.items()
-                              if k not in ("spans", "records_per_span", "otlp_sdk",
-                                           "otlp_wire_proto"))
+                              if k not in ("spans", "records_per_span", "otlp_sdk"))
         report[name] = med
         cols = " ".join(f"{k}={v:.2f}" for k, v in med.items() if k not in ("spans",))
         print(f"{name}: {cols}  (us/span, median of {a.repeat})")

@@ -1,18 +1,21 @@
-"""OTLP traces without the SDK's span objects: a batch of our spans straight into one
-``ExportTraceServiceRequest`` (opentelemetry-proto's messages), sent over HTTP/protobuf (one
-kept-alive ``http.client`` connection) or gRPC (grpcio, ``TraceService/Export``).
+"""OTLP traces without the SDK's span objects: a batch of our spans written straight into the
+bytes of one ``ExportTraceServiceRequest``, sent over HTTP/protobuf (one kept-alive
+``http.client`` connection) or gRPC (grpcio, ``TraceService/Export``, the bytes as they are).
 
 Why not the SDK's span exporter: it takes ``ReadableSpan`` objects, so every span was built
 twice (ours, then the SDK's with its SpanContext, Status, Resource and scope objects) before
 the SDK's encoder walked them again; that path was the largest stage of the agent's CPU per
-span (docs/performance.md, `bench/span_cost.py`). The messages and the wire format are the
+span (docs/performance.md, `bench/span_cost.py`). Then opentelemetry-proto's messages were
+filled per span (a KeyValue message per attribute, copied in); now each attribute's bytes
+are written once and reused, and a span is a join of byte strings. The wire format is the
 same; the SDK still exports the metrics.
 
 What a collector gets, field by field as the SDK's encoder wrote it: trace, span and parent
 ids; name; kind; start and end; attributes (process.* move to the resource); status ERROR
 or UNSET; flags ("has is_remote", and "is_remote" for a parent: our parents come from a
 traceparent header, another process); spans grouped per resource, one scope ``sits-trace``.
-tests/unit/test_exporters_otlp.py holds the two encoders to the same spans, field for field.
+tests/unit/test_exporters_otlp.py holds the bytes to the SDK encoder's spans, field for
+field, and to what protobuf's own serializer writes for the same messages, byte for byte.
 """
 
 from __future__ import annotations
@@ -21,17 +24,13 @@ import gzip
 import http.client
 import logging
 import ssl
+import struct
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
-from opentelemetry.proto.resource.v1.resource_pb2 import Resource as PbResource
-from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
-from opentelemetry.proto.trace.v1.trace_pb2 import Status as PbStatus
 from sits_trace.agent.model import AttrValue, Span
 
 from ._resource import PROCESS_KEYS
@@ -39,47 +38,83 @@ from ._resource import PROCESS_KEYS
 log = logging.getLogger(__name__)
 
 SCOPE_NAME, SCOPE_VERSION = "sits-trace", "0.1.0"
-_KINDS = {"INTERNAL": PbSpan.SPAN_KIND_INTERNAL, "SERVER": PbSpan.SPAN_KIND_SERVER,
-          "CLIENT": PbSpan.SPAN_KIND_CLIENT, "PRODUCER": PbSpan.SPAN_KIND_PRODUCER,
-          "CONSUMER": PbSpan.SPAN_KIND_CONSUMER}
 _HAS_IS_REMOTE = 0x100  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
 _IS_REMOTE = 0x200  # SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
-_ERROR = PbStatus(code=PbStatus.STATUS_CODE_ERROR)
-_UNSET = PbStatus()
 _SKIP = frozenset(PROCESS_KEYS)
 
 
-def any_value(v: AttrValue) -> AnyValue:
+# ---- the protobuf wire format, written directly ----
+# Field numbers (opentelemetry-proto): ExportTraceServiceRequest.resource_spans 1;
+# ResourceSpans.resource 1, .scope_spans 2; Resource.attributes 1; ScopeSpans.scope 1,
+# .spans 2; InstrumentationScope.name 1, .version 2; Span.trace_id 1, .span_id 2,
+# .parent_span_id 4, .name 5, .kind 6, .start_time_unix_nano 7 (fixed64), .end_time 8
+# (fixed64), .attributes 9, .status 15, .flags 16 (fixed32); Status.code 3; KeyValue.key 1,
+# .value 2; AnyValue.string_value 1, .bool_value 2, .int_value 3, .double_value 4 (a oneof:
+# written even when zero). Bytes in field order, defaults left out, as protobuf's own
+# serializer writes them (tests/unit/test_exporters_otlp.py compares the two byte for byte).
+
+_U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
+_I32 = struct.Struct("<I")
+_SMALL = [bytes((n,)) for n in range(128)]
+
+
+def _varint(n: int) -> bytes:
+    if n < 128:
+        return _SMALL[n]
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field: its tag byte(s), the length, the payload."""
+    n = len(payload)
+    return tag + (_SMALL[n] if n < 128 else _varint(n)) + payload
+
+
+def _any_value(v: AttrValue) -> bytes:
     if isinstance(v, bool):  # before int: a bool is an int
-        return AnyValue(bool_value=v)
+        return b"\x10\x01" if v else b"\x10\x00"
     if isinstance(v, int):
-        return AnyValue(int_value=v)
+        if not -(1 << 63) <= v < (1 << 63):
+            raise ValueError(f"int attribute out of int64 range: {v}")
+        return b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)
     if isinstance(v, float):
-        return AnyValue(double_value=v)
-    return AnyValue(string_value=str(v))
+        return b"\x21" + _F64.pack(v)
+    return _field(b"\x0a", str(v).encode())
 
 
-def key_values(attrs: Mapping[str, AttrValue], skip: frozenset[str] = frozenset()) -> list[KeyValue]:
-    return [KeyValue(key=k, value=any_value(v)) for k, v in attrs.items() if k not in skip]
+def key_value(k: str, v: AttrValue, tag: bytes) -> bytes:
+    """One KeyValue as the field `tag` of its parent (Span.attributes: 9, Resource's: 1)."""
+    key = _field(b"\x0a", k.encode()) if k else b""
+    return _field(tag, key + _field(b"\x12", _any_value(v)))
+
+
+def key_values(attrs: Mapping[str, AttrValue], skip: frozenset[str] = frozenset(),
+               tag: bytes = b"\x4a") -> bytes:
+    return b"".join(key_value(k, v, tag) for k, v in attrs.items() if k not in skip)
 
 
 class KeyValueCache:
-    """The KeyValue message of each (key, value) seen before, built once and reused: most of a
-    span's attributes repeat from span to span (method, route, server address, status,
-    user agent), and building a KeyValue and its AnyValue was most of the encoder's time
-    (bench/span_cost.py). A message given to a span is copied into it, so the cached one is
-    never changed. Floats (durations) and strings over `max_len` are never cached; the
-    cache empties itself when it holds `limit` entries, so values seen once (request ids,
-    body sizes) cost a dict entry for a while and no more."""
+    """The encoded Span.attributes field of each (key, value) seen before, written once and
+    reused: most of a span's attributes repeat from span to span (method, route, server
+    address, status, user agent), and writing a KeyValue was most of the encoder's time
+    (bench/span_cost.py). Floats (durations) and strings over `max_len` are never cached;
+    the cache empties itself when it holds `limit` entries, so values seen once (request
+    ids, body sizes) cost a dict entry for a while and no more."""
 
     __slots__ = ("_kv", "_limit", "_max_len")
 
     def __init__(self, limit: int = 4096, max_len: int = 256) -> None:
-        self._kv: dict[object, KeyValue] = {}
+        self._kv: dict[object, bytes] = {}
         self._limit = limit
         self._max_len = max_len
 
-    def __call__(self, attrs: Mapping[str, AttrValue], skip: frozenset[str]) -> list[KeyValue]:
+    def __call__(self, attrs: Mapping[str, AttrValue], skip: frozenset[str]) -> list[bytes]:
         kv = self._kv
         out = []
         for k, v in attrs.items():
@@ -90,7 +125,7 @@ class KeyValueCache:
             key = (k, cls, v)
             m = kv.get(key)
             if m is None:
-                m = KeyValue(key=k, value=any_value(v))
+                m = key_value(k, v, b"\x4a")
                 if cls is not float and (cls is not str or len(v) <= self._max_len):  # type: ignore[arg-type]
                     if len(kv) >= self._limit:
                         kv.clear()
@@ -111,13 +146,37 @@ def _id(text: str | None, digits: int) -> bytes:
 
 ResourceOf = Callable[[Span], Mapping[str, AttrValue]]
 _CACHE = KeyValueCache()
+_KINDS = {"INTERNAL": b"\x30\x01", "SERVER": b"\x30\x02", "CLIENT": b"\x30\x03",
+          "PRODUCER": b"\x30\x04", "CONSUMER": b"\x30\x05"}
+_ERROR = b"\x7a\x02\x18\x02"  # status {code: STATUS_CODE_ERROR}
+_UNSET = b"\x7a\x00"  # status {} (set, empty)
+_FLAGS = b"\x85\x01" + _I32.pack(_HAS_IS_REMOTE)  # field 16, fixed32
+_FLAGS_REMOTE = b"\x85\x01" + _I32.pack(_HAS_IS_REMOTE | _IS_REMOTE)
+_SCOPE = _field(b"\x0a", _field(b"\x0a", SCOPE_NAME.encode())
+                + _field(b"\x12", SCOPE_VERSION.encode()))
+
+
+def span_bytes(s: Span, kvs: KeyValueCache = _CACHE) -> bytes:
+    """One Span message (its fields, without the enclosing tag and length)."""
+    tid, sid, parent = _id(s.trace_id, 32), _id(s.span_id, 16), _id(s.parent_span_id, 16)
+    parts = [b"\x0a\x10" + tid if tid else b"", b"\x12\x08" + sid if sid else b"",
+             b"\x22\x08" + parent if parent else b"",
+             _field(b"\x2a", s.name.encode()) if s.name else b"",
+             _KINDS.get(s.kind, b"\x30\x01"),
+             b"\x39" + _U64.pack(s.start_time_unix_nano) if s.start_time_unix_nano else b"",
+             b"\x41" + _U64.pack(s.end_time_unix_nano) if s.end_time_unix_nano else b""]
+    parts += kvs(s.attributes, _SKIP)
+    parts.append(_ERROR if s.status_code == "ERROR" else _UNSET)
+    parts.append(_FLAGS_REMOTE if parent else _FLAGS)
+    return b"".join(parts)
 
 
 def encode(batch: Iterable[Span], resource_of: ResourceOf,
-           kvs: KeyValueCache = _CACHE) -> ExportTraceServiceRequest:
-    """One request for a batch; spans grouped by their resource's attributes. Each span is
-    built in place in the request (`add`), not built and then copied into it."""
-    groups: dict[tuple[tuple[str, AttrValue], ...], list[Span]] = {}
+           kvs: KeyValueCache = _CACHE) -> bytes:
+    """One serialized ``ExportTraceServiceRequest`` for a batch, spans grouped by their
+    resource's attributes: the bytes opentelemetry-proto's messages would serialize to,
+    written without building a message per span (a third of the time: bench/span_cost.py)."""
+    groups: dict[tuple[tuple[str, AttrValue], ...], list[bytes]] = {}
     attrs_of: dict[tuple[tuple[str, AttrValue], ...], Mapping[str, AttrValue]] = {}
     for s in batch:
         attrs = resource_of(s)
@@ -126,24 +185,13 @@ def encode(batch: Iterable[Span], resource_of: ResourceOf,
         if group is None:
             group = groups[key] = []
             attrs_of[key] = attrs
-        group.append(s)
-    req = ExportTraceServiceRequest()
+        group.append(_field(b"\x12", span_bytes(s, kvs)))
+    out = []
     for key, spans in groups.items():
-        rs = req.resource_spans.add()
-        rs.resource.CopyFrom(PbResource(attributes=key_values(attrs_of[key])))
-        ss = rs.scope_spans.add()
-        ss.scope.CopyFrom(InstrumentationScope(name=SCOPE_NAME, version=SCOPE_VERSION))
-        add = ss.spans.add
-        for s in spans:
-            parent = _id(s.parent_span_id, 16)
-            add(trace_id=_id(s.trace_id, 32), span_id=_id(s.span_id, 16), parent_span_id=parent,
-                name=s.name, kind=_KINDS.get(s.kind, PbSpan.SPAN_KIND_INTERNAL),
-                start_time_unix_nano=s.start_time_unix_nano,
-                end_time_unix_nano=s.end_time_unix_nano,
-                attributes=kvs(s.attributes, _SKIP),
-                status=_ERROR if s.status_code == "ERROR" else _UNSET,
-                flags=_HAS_IS_REMOTE | (_IS_REMOTE if parent else 0))
-    return req
+        resource = _field(b"\x0a", key_values(attrs_of[key], tag=b"\x0a"))
+        scope_spans = _field(b"\x12", _SCOPE + b"".join(spans))
+        out.append(_field(b"\x0a", resource + scope_spans))
+    return b"".join(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +247,8 @@ class HttpSender:
             self._path = self._t.endpoint  # a proxy is asked for the absolute URL
         return http.client.HTTPConnection(host, port, timeout=self._t.timeout_s)
 
-    def send(self, req: ExportTraceServiceRequest) -> bool:
-        body = req.SerializeToString()
+    def send(self, body: bytes) -> bool:
+        """`body`: a serialized ExportTraceServiceRequest (encode)."""
         if self._t.gzip:
             body = gzip.compress(body)
         for attempt in range(2):
@@ -238,8 +286,8 @@ class GrpcSender:
 
     def __init__(self, t: Transport) -> None:
         import grpc  # noqa: PLC0415 - the protocol asked for only
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (  # noqa: PLC0415
-            TraceServiceStub,
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: PLC0415
+            ExportTraceServiceResponse,
         )
 
         self._grpc: Any = grpc
@@ -252,14 +300,18 @@ class GrpcSender:
             self._channel = grpc.secure_channel(target, creds, compression=compression)
         else:
             self._channel = grpc.insecure_channel(target, compression=compression)
-        self._stub = TraceServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        # the stub's method with no request serializer: encode's bytes go as they are
+        self._export = self._channel.unary_unary(
+            "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+            request_serializer=None,
+            response_deserializer=ExportTraceServiceResponse.FromString)
         self._metadata: Sequence[tuple[str, str]] = tuple((k.lower(), v)
                                                           for k, v in t.headers.items())
         self._timeout = t.timeout_s
 
-    def send(self, req: ExportTraceServiceRequest) -> bool:
+    def send(self, body: bytes) -> bool:
         try:
-            self._stub.Export(req, metadata=self._metadata, timeout=self._timeout)
+            self._export(body, metadata=self._metadata, timeout=self._timeout)
             return True
         except self._grpc.RpcError as exc:
             log.debug("otlp grpc: %s", exc.code() if hasattr(exc, "code") else exc)

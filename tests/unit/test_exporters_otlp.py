@@ -336,6 +336,9 @@ def test_our_encoder_writes_what_the_sdk_encoder_wrote() -> None:
     error and parentless spans."""
     import importlib.util
 
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
     from sits_trace.exporters._otlp_traces import encode
 
     spec = importlib.util.spec_from_file_location(
@@ -347,7 +350,7 @@ def test_our_encoder_writes_what_the_sdk_encoder_wrote() -> None:
     assert sdk is not None
     spans = [make_span(0), make_span(1, kind="CLIENT", parent="00000000000000ab"),
              make_span(2, status=503), make_span(3, flag=True, ratio=0.25, n=-7)]
-    ours = encode(spans, lambda s: {"service.name": "nginx"})
+    ours = ExportTraceServiceRequest.FromString(encode(spans, lambda s: {"service.name": "nginx"}))
     theirs = sdk.request(spans)
     a = [s for rs in ours.resource_spans for ss in rs.scope_spans for s in ss.spans]
     b = [s for rs in theirs.resource_spans for ss in rs.scope_spans for s in ss.spans]
@@ -355,6 +358,94 @@ def test_our_encoder_writes_what_the_sdk_encoder_wrote() -> None:
     for x, y in zip(a, b, strict=True):
         assert x == y, (x, y)
     assert ours.resource_spans[0].scope_spans[0].scope.name == "sits-trace"
+
+
+def _messages_encode(batch: list[Any], resource_of: Any) -> bytes:
+    """The reference: the same request built from opentelemetry-proto's messages (what the
+    exporter did before it wrote the bytes itself), serialized by protobuf."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+    from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+
+    def value(v: Any) -> AnyValue:
+        if isinstance(v, bool):
+            return AnyValue(bool_value=v)
+        if isinstance(v, int):
+            return AnyValue(int_value=v)
+        if isinstance(v, float):
+            return AnyValue(double_value=v)
+        return AnyValue(string_value=str(v))
+
+    def ident(text: str | None, digits: int) -> bytes:
+        try:
+            return bytes.fromhex(text) if text and len(text) == digits else b""
+        except ValueError:
+            return b""
+
+    kinds = {"SERVER": PbSpan.SPAN_KIND_SERVER, "CLIENT": PbSpan.SPAN_KIND_CLIENT}
+    groups: dict[Any, list[Any]] = {}
+    first: dict[Any, Any] = {}  # a resource's attributes in the order its first span gave them
+    for s in batch:
+        attrs = resource_of(s)
+        key = tuple(sorted(attrs.items()))
+        groups.setdefault(key, []).append(s)
+        first.setdefault(key, attrs)
+    req = ExportTraceServiceRequest()
+    for key, spans in groups.items():
+        rs = req.resource_spans.add()
+        rs.resource.CopyFrom(Resource(attributes=[KeyValue(key=k, value=value(v))
+                                                  for k, v in first[key].items()]))
+        ss = rs.scope_spans.add()
+        ss.scope.CopyFrom(InstrumentationScope(name="sits-trace", version="0.1.0"))
+        for s in spans:
+            parent = ident(s.parent_span_id, 16)
+            ss.spans.add(
+                trace_id=ident(s.trace_id, 32), span_id=ident(s.span_id, 16),
+                parent_span_id=parent, name=s.name,
+                kind=kinds.get(s.kind, PbSpan.SPAN_KIND_INTERNAL),
+                start_time_unix_nano=s.start_time_unix_nano,
+                end_time_unix_nano=s.end_time_unix_nano,
+                attributes=[KeyValue(key=k, value=value(v)) for k, v in s.attributes.items()
+                            if not k.startswith("process.")],
+                status=PbStatus(code=PbStatus.STATUS_CODE_ERROR) if s.status_code == "ERROR"
+                else PbStatus(),
+                flags=0x100 | (0x200 if parent else 0))
+    return req.SerializeToString()
+
+
+def test_the_bytes_are_what_protobuf_serializes_for_the_same_messages() -> None:
+    """Byte for byte against opentelemetry-proto's messages, over spans that reach every
+    branch: zero, negative, huge and boolean ints, floats, empty, long and non-ASCII strings,
+    an empty key, bad and absent ids, an unknown kind, no attributes, spans of several
+    resources (process.* attributes move there), long spans (lengths past one varint byte)."""
+    from sits_trace.exporters._otlp_traces import KeyValueCache, encode
+
+    rng = random.Random(5)
+    spans = [make_span(0), make_span(1, kind="CLIENT", parent="00000000000000ab"),
+             make_span(2, status=503, pid=7, exe="nginx"),
+             make_span(3, flag=True, no=False, zero=0, neg=-1, big=(1 << 63) - 1,
+                       low=-(1 << 63), ratio=0.0, nan=float("inf"), empty="",
+                       text="żółw ✓ \x00", long="x" * 5000),
+             make_span(4, kind="INTERNAL-ish", trace="zz" * 16, parent="nothex"),
+             make_span(5, **{"": "empty key"})]
+    bare = make_span(6)
+    bare.attributes = {}
+    bare.name, bare.parent_span_id, bare.span_id = "", None, ""
+    spans.append(bare)
+    for i in range(200):
+        extra: dict[str, Any] = {f"k{j}": rng.choice([rng.randint(-10**12, 10**12),
+                                                      rng.random(), "v" * rng.randint(0, 300),
+                                                      rng.random() < 0.5])
+                                 for j in range(rng.randint(0, 12))}
+        spans.append(make_span(10 + i, pid=4242 + i % 3, **extra))
+    res = lambda s: {"service.name": "svc", "process.pid": s.attributes.get("process.pid", 0)}
+    cache = KeyValueCache(limit=64)
+    assert encode(spans, res, cache) == _messages_encode(spans, res)
+    assert encode(spans, res, cache) == _messages_encode(spans, res)  # from the cache
+    with pytest.raises(ValueError, match="int64"):
+        encode([make_span(0, huge=1 << 63)], res)
 
 
 def test_gzip_and_bad_tls_files_from_the_standard_environment(proc_root: str) -> None:
@@ -381,24 +472,26 @@ def test_gzip_and_bad_tls_files_from_the_standard_environment(proc_root: str) ->
 def test_the_encoders_cache_of_attribute_values_changes_nothing_it_encodes() -> None:
     """exporters/_otlp_traces.KeyValueCache: spans encoded through a cache that has seen their
     values are the bytes encoded without it; equal values of different types (True, 1, 1.0)
-    stay their own type; a request changed after encoding does not reach the cache; the
-    cache never holds more than its limit, nor floats or long strings."""
-    from sits_trace.exporters._otlp_traces import KeyValueCache, encode, key_values
+    stay their own type; the cache never holds more than its limit, nor floats or long
+    strings."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from sits_trace.exporters._otlp_traces import KeyValueCache, encode
 
     res = lambda s: {"service.name": "nginx"}
     spans = [make_span(i, flag=v) for i, v in enumerate((True, 1, 1.0, False, 0, 1, True))]
     spans += [make_span(7, path="/" + "x" * 300), make_span(8, ratio=0.5), make_span(9)]
     cache = KeyValueCache(limit=64, max_len=256)
-    once = encode(spans, res, cache).SerializeToString()
+    once = encode(spans, res, cache)
     again = encode(spans, res, cache)
-    assert again.SerializeToString() == once == encode(spans, res, key_values).SerializeToString()
+    assert again == once == encode(spans, res, KeyValueCache(limit=0))
+    msg = ExportTraceServiceRequest.FromString(again)
     flags = [next(kv.value for kv in s.attributes if kv.key == "flag")
-             for s in again.resource_spans[0].scope_spans[0].spans[:7]]
+             for s in msg.resource_spans[0].scope_spans[0].spans[:7]]
     assert [f.WhichOneof("value") for f in flags] == [
         "bool_value", "int_value", "double_value", "bool_value", "int_value", "int_value",
         "bool_value"]
-    again.resource_spans[0].scope_spans[0].spans[0].attributes[0].value.string_value = "changed"
-    assert encode(spans, res, cache).SerializeToString() == once
     assert not any(cls is float or (cls is str and len(v) > 256)
                    for (_k, cls, v) in cache._kv)
     for i in range(1000):

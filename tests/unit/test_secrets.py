@@ -97,8 +97,7 @@ def test_no_output_carries_a_secret(caplog: pytest.LogCaptureFixture) -> None:
     assert buf.getvalue().count("\n") == 2
     _assert_clean(buf.getvalue(), "JSONL")
     # OTLP: the bytes that go on the wire
-    wire = encode(spans, lambda s: {"service.name": "svc"})
-    raw = wire.SerializeToString()
+    raw = encode(spans, lambda s: {"service.name": "svc"})
     assert b"REDACTED" in raw
     _assert_clean(raw.decode("latin-1"), "OTLP")
     # Prometheus text
