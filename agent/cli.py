@@ -92,9 +92,33 @@ class _TablePrinter:
         sys.stdout.flush()
 
 
-def _json_printer(s: Span) -> None:
-    sys.stdout.write(s.json_line())
-    sys.stdout.flush()
+class _JsonPrinter:
+    """`trace --json`: a span's line is held until the tracer's poll that made it is done
+    (`Tracer.poll_observers`), then a poll's lines go out in one write: a write and a flush
+    per span were a syscall per span. Lines are out within a poll (`trace.poll_ms`)."""
+
+    MAX_HELD = 256
+
+    def __init__(self) -> None:
+        self._held: list[bytes] = []
+
+    def __call__(self, s: Span) -> None:
+        self._held.append(s.json_bytes())
+        if len(self._held) >= self.MAX_HELD:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._held:
+            return
+        data, self._held = b"".join(self._held), []
+        out = getattr(sys.stdout, "buffer", None)
+        if out is None:  # a text-only stream (a test's capture)
+            sys.stdout.write(data.decode())
+            sys.stdout.flush()
+            return
+        sys.stdout.flush()  # anything written as text first
+        out.write(data)
+        out.flush()
 
 
 @app.command()
@@ -122,9 +146,10 @@ def trace(
                                              "trace.cpu_budget": cpu_budget})
     except ConfigError as exc:
         _fail(str(exc))
-    sink = _json_printer if as_json else _TablePrinter()
+    sink = _JsonPrinter() if as_json else _TablePrinter()
+    flush = sink.flush if isinstance(sink, _JsonPrinter) else None
     if replay is not None:
-        _replay(replay, sink, cfg.trace.port or None, cfg.trace.redact_query_keys)
+        _replay(replay, sink, cfg.trace.port or None, cfg.trace.redact_query_keys, flush)
         return
     from sits_trace.agent.capture.loader import (  # noqa: PLC0415
         EventSource,
@@ -139,6 +164,8 @@ def trace(
 
     agent = Agent(cfg, sink, wrap_source=source)
     stop = _started(agent)
+    if flush is not None and agent.tracer is not None:
+        agent.tracer.poll_observers.append(flush)
     typer.echo("sits-trace: tracing; Ctrl-C to stop", err=True)
     agent.run(stop, duration)
     if agent.tracer is not None:
@@ -147,7 +174,8 @@ def trace(
         typer.echo(f"sits-trace: {line}", err=True)
 
 
-def _replay(path: Path, sink: Any, port: int | None, redact_keys: list[str]) -> None:
+def _replay(path: Path, sink: Any, port: int | None, redact_keys: list[str],
+            flush: Any = None) -> None:
     from sits_trace.agent.capture.loader import RecordedSource  # noqa: PLC0415
     from sits_trace.agent.tracing.pipeline import Tracer  # noqa: PLC0415
     from sits_trace.agent.tracing.redact import QueryRedactor  # noqa: PLC0415
@@ -160,6 +188,8 @@ def _replay(path: Path, sink: Any, port: int | None, redact_keys: list[str]) -> 
     builder = SpanBuilder(clock_offset_ns=0, redactor=QueryRedactor(redact_keys))
     tracer = Tracer(src, sink, builder, port=port,
                     monotonic_ns=lambda: 0)
+    if flush is not None:
+        tracer.poll_observers.append(flush)
     while not src.exhausted:
         tracer.poll(0)
     tracer.close_all()

@@ -112,6 +112,9 @@ class Tracer:
         # called before each batch of records (e.g. to drop what an annotator read from
         # the kernel for the previous batch's spans)
         self.batch_observers: list[Callable[[], None]] = []
+        # called after each poll and after close_all, once the spans they made were given
+        # to the sink (e.g. a printer writing out the lines it held: one write per batch)
+        self.poll_observers: list[Callable[[], None]] = []
 
     # ---- driving ----
 
@@ -123,6 +126,8 @@ class Tracer:
             self.sweep(now)
             self._next_sweep = now + 1_000_000_000
             self._read_shedding()
+        for done in self.poll_observers:
+            done()
         return len(recs)
 
     def _read_shedding(self) -> None:
@@ -200,6 +205,8 @@ class Tracer:
         self._by_pid.clear()
         self._by_fd.clear()
         self.stats.conns_active = 0
+        for done in self.poll_observers:
+            done()
 
     # ---- connections ----
 
