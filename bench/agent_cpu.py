@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/agent_cpu.py [--connections 10] [--paced-ms 10] [--seconds 8]
         [--rounds 3] [--config a.toml] [--baseline /other/.venv/bin/python] [--baseline-config b.toml]
+        [--otlp]
 
 nginx (`return 200`) under wrk, each of `--connections` waiting `--paced-ms` between requests
 (10 x 10 ms: about 1k requests/s; 20 x 2 ms: as many as the VM gives, ~7k here; 1 x 1000 ms:
@@ -11,16 +12,23 @@ is taken over `--seconds` once wrk has run for two. With `--baseline` and/or
 `--baseline-config` the two sides alternate, round by round, so drift in the machine's load
 hits both. Prints requests/s, agent cores and agent µs per request (every request is a span:
 full capture, nothing shed) for each run, then the medians.
+
+`--otlp`: the agent runs as the service does (`sits-trace run`, a config with `trace.pids`,
+full capture, no JSON lines, control loop and API sockets off) and exports every span over
+OTLP/HTTP to a receiver in this process, which counts the spans it got (parsed with
+opentelemetry-proto) so a side that dropped or never sent spans shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.server
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +36,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # the sibling bench: nginx and wrk helpers
 
 
-def one_run(python: str, config: str | None, a: argparse.Namespace) -> tuple[float, float]:
+class Receiver:
+    """OTLP/HTTP traces: answers 200 and counts the spans of every request."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+        recv = self
+        self.spans = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                req = ExportTraceServiceRequest.FromString(body)
+                recv.spans += sum(len(ss.spans) for rs in req.resource_spans
+                                  for ss in rs.scope_spans)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+
+
+def _service_config(d: Path, nginx_pid: int, url: str, extra: str | None) -> str:
+    p = d / "otlp.toml"
+    p.write_text(f"""[trace]
+pids = [{nginx_pid}]
+cpu_budget = 0
+
+[export]
+jsonl_path = ""
+otlp_endpoint = "{url}"
+otlp_protocol = "http/protobuf"
+otlp_metrics = false
+
+[api]
+socket = ""
+
+[control]
+enabled = false
+""" + (Path(extra).read_text() if extra else ""))
+    return str(p)
+
+
+def one_run(python: str, config: str | None, a: argparse.Namespace,
+            receiver: Receiver | None = None) -> tuple[float, float]:
     """(requests/s, agent cores) of one run."""
     sits = str(Path(python).parent / "sits-trace")
     port = overhead.free_port()
@@ -36,13 +96,20 @@ def one_run(python: str, config: str | None, a: argparse.Namespace) -> tuple[flo
         pace = Path(d) / "pace.lua"
         pace.write_text(f"function delay() return {a.paced_ms} end\n")
         nginx = overhead.start_nginx(Path(d), port, 1)
-        cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
-        agent = subprocess.Popen(cmd + (["--config", config] if config else []),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if receiver is not None:
+            cmd = [sits, "run", "--config",
+                   _service_config(Path(d), nginx.pid, receiver.url, config)]
+            ready = "agent running"
+        else:
+            cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
+            cmd += ["--config", config] if config else []
+            ready = "tracing"
+        agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True)
         try:
             assert agent.stderr is not None
             for line in agent.stderr:
-                if "tracing" in line:
+                if ready in line:
                     break
             wrk = subprocess.Popen(["wrk", "-t1", f"-c{a.connections}", f"-d{a.seconds + 3}s",
                                     "-s", str(pace), f"http://127.0.0.1:{port}/"],
@@ -69,18 +136,24 @@ def main() -> int:
     ap.add_argument("--config", help="TOML config for the agent under test")
     ap.add_argument("--baseline", help="python of another checkout's venv to alternate with")
     ap.add_argument("--baseline-config", help="TOML config for the baseline side")
+    ap.add_argument("--otlp", action="store_true",
+                    help="run as the service, every span over OTLP/HTTP to a receiver here")
     a = ap.parse_args()
+    receiver = Receiver() if a.otlp else None
     sides = [("this", sys.executable, a.config)]
     if a.baseline or a.baseline_config:
         sides.append(("baseline", a.baseline or sys.executable, a.baseline_config))
     got: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in sides}
     for r in range(a.rounds):
         for name, python, config in sides if r % 2 == 0 else sides[::-1]:
-            rps, cores = one_run(python, config, a)
+            before = receiver.spans if receiver is not None else 0
+            rps, cores = one_run(python, config, a, receiver)
             got[name].append((rps, cores))
             per = cores / rps * 1e6 if rps else float("nan")
+            spans = (f", {receiver.spans - before} spans received"
+                     if receiver is not None else "")
             print(f"round {r + 1} {name}: {rps:.0f} req/s, agent {cores:.3f} cores, "
-                  f"{per:.1f} µs/request", flush=True)
+                  f"{per:.1f} µs/request{spans}", flush=True)
     for name, runs in got.items():
         rps = statistics.median(x[0] for x in runs)
         cores = statistics.median(x[1] for x in runs)
