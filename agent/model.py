@@ -17,7 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
-import orjson
+try:
+    import orjson
+except ImportError:  # a machine with only the standard library (the GPU test image): its json
+    orjson = None  # type: ignore[assignment]
 
 AttrValue = str | bool | int | float
 
@@ -187,10 +190,12 @@ class Span:
         `json`); a value orjson refuses (an int past 64 bits) goes through the standard
         library's encoder instead, so a span is never lost to its encoding."""
         d = self.to_json()
-        try:
-            return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
-        except (orjson.JSONEncodeError, TypeError):
-            return (_COMPACT_JSON.encode(d) + "\n").encode()
+        if orjson is not None:
+            try:
+                return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
+            except (orjson.JSONEncodeError, TypeError):
+                pass
+        return (_COMPACT_JSON.encode(d) + "\n").encode()
 
     def json_line(self) -> str:
         return self.json_bytes().decode()

@@ -108,3 +108,15 @@ def test_the_printer_holds_no_more_than_its_limit(monkeypatch: pytest.MonkeyPatc
     assert out.writes == 1 and len(out.lines()) == printer.MAX_HELD
     printer.flush()
     assert out.writes == 2 and len(out.lines()) == printer.MAX_HELD + 3
+
+
+def test_without_orjson_the_standard_librarys_line_is_the_same_json(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU test image has no orjson: the agent still prints, the same objects."""
+    from sits_trace.agent import model
+
+    s = sample_span(4, text="żółw", n=-3, ratio=0.5)
+    with_orjson = s.json_bytes()
+    monkeypatch.setattr(model, "orjson", None)
+    without = s.json_bytes()
+    assert without.endswith(b"\n") and json.loads(without) == json.loads(with_orjson)
