@@ -101,6 +101,8 @@ class _JsonPrinter:
 
     def __init__(self) -> None:
         self._held: list[bytes] = []
+        self.closed = False
+        self.on_closed: Any = None  # called once when stdout's reader went away (`| head`)
 
     def __call__(self, s: Span) -> None:
         self._held.append(s.json_bytes())
@@ -111,14 +113,29 @@ class _JsonPrinter:
         if not self._held:
             return
         data, self._held = b"".join(self._held), []
-        out = getattr(sys.stdout, "buffer", None)
-        if out is None:  # a text-only stream (a test's capture)
-            sys.stdout.write(data.decode())
-            sys.stdout.flush()
+        if self.closed:
             return
-        sys.stdout.flush()  # anything written as text first
-        out.write(data)
-        out.flush()
+        try:
+            out = getattr(sys.stdout, "buffer", None)
+            if out is None:  # a text-only stream (a test's capture)
+                sys.stdout.write(data.decode())
+                sys.stdout.flush()
+                return
+            sys.stdout.flush()  # anything written as text first
+            out.write(data)
+            out.flush()
+        except BrokenPipeError:
+            # the reader is gone (`trace --json | head -3`): stop as it would have stopped
+            # us, quietly; stdout to /dev/null so the interpreter's last flush finds no pipe
+            self.closed = True
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):  # a stdout with no descriptor
+                pass
+            if self.on_closed is not None:
+                self.on_closed()
 
 
 @app.command()
@@ -164,8 +181,9 @@ def trace(
 
     agent = Agent(cfg, sink, wrap_source=source)
     stop = _started(agent)
-    if flush is not None and agent.tracer is not None:
-        agent.tracer.poll_observers.append(flush)
+    if isinstance(sink, _JsonPrinter) and agent.tracer is not None:
+        sink.on_closed = stop.set
+        agent.tracer.poll_observers.append(sink.flush)
     typer.echo("sits-trace: tracing; Ctrl-C to stop", err=True)
     agent.run(stop, duration)
     if agent.tracer is not None:

@@ -120,3 +120,31 @@ def test_without_orjson_the_standard_librarys_line_is_the_same_json(
     monkeypatch.setattr(model, "orjson", None)
     without = s.json_bytes()
     assert without.endswith(b"\n") and json.loads(without) == json.loads(with_orjson)
+
+
+def test_a_reader_that_went_away_stops_the_trace_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trace --json | head -3`: the write that meets the closed pipe raises nothing (it ran
+    inside the tracer's poll), calls `on_closed` once (trace's stop) and later lines are
+    dropped."""
+    class Gone(io.TextIOWrapper):
+        def __init__(self) -> None:
+            super().__init__(io.BytesIO(), encoding="utf-8")
+            self.tries = 0
+
+            def write(b: bytes) -> int:
+                self.tries += 1
+                raise BrokenPipeError(32, "Broken pipe")
+
+            self.buffer.write = write  # type: ignore[method-assign]
+
+    out = Gone()
+    monkeypatch.setattr(sys, "stdout", out)
+    stops: list[int] = []
+    printer = cli._JsonPrinter()
+    printer.on_closed = lambda: stops.append(1)
+    printer(sample_span(1))
+    printer.flush()
+    assert printer.closed and stops == [1] and out.tries == 1
+    printer(sample_span(2))
+    printer.flush()
+    assert stops == [1] and out.tries == 1
