@@ -80,17 +80,23 @@ def _any_value(v: AttrValue) -> bytes:
     if isinstance(v, bool):  # before int: a bool is an int
         return b"\x10\x01" if v else b"\x10\x00"
     if isinstance(v, int):
-        if not -(1 << 63) <= v < (1 << 63):
-            raise ValueError(f"int attribute out of int64 range: {v}")
-        return b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)
+        if -(1 << 63) <= v < (1 << 63):
+            return b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)
+        # past int64 (protobuf's serializer refused the whole request): its digits
+        return _field(b"\x0a", str(v).encode())
     if isinstance(v, float):
         return b"\x21" + _F64.pack(v)
-    return _field(b"\x0a", str(v).encode())
+    return _field(b"\x0a", _utf8(str(v)))
+
+
+def _utf8(text: str) -> bytes:
+    # a lone surrogate has no UTF-8 (protobuf's serializer refused the whole request): "?"
+    return text.encode("utf-8", "replace")
 
 
 def key_value(k: str, v: AttrValue, tag: bytes) -> bytes:
     """One KeyValue as the field `tag` of its parent (Span.attributes: 9, Resource's: 1)."""
-    key = _field(b"\x0a", k.encode()) if k else b""
+    key = _field(b"\x0a", _utf8(k)) if k else b""
     return _field(tag, key + _field(b"\x12", _any_value(v)))
 
 
@@ -161,7 +167,7 @@ def span_bytes(s: Span, kvs: KeyValueCache = _CACHE) -> bytes:
     tid, sid, parent = _id(s.trace_id, 32), _id(s.span_id, 16), _id(s.parent_span_id, 16)
     parts = [b"\x0a\x10" + tid if tid else b"", b"\x12\x08" + sid if sid else b"",
              b"\x22\x08" + parent if parent else b"",
-             _field(b"\x2a", s.name.encode()) if s.name else b"",
+             _field(b"\x2a", _utf8(s.name)) if s.name else b"",
              _KINDS.get(s.kind, b"\x30\x01"),
              b"\x39" + _U64.pack(s.start_time_unix_nano) if s.start_time_unix_nano else b"",
              b"\x41" + _U64.pack(s.end_time_unix_nano) if s.end_time_unix_nano else b""]
