@@ -596,6 +596,7 @@ def check_spans(tracer: Tracer, server: Server, calls: list[Call],
     rows = server.logged([c.rid for c in calls])
     by_rid = spans_by_rid(tracer, [c.rid for c in calls], 2 if client_spans else 1)
     v = Verdict(late_ns=LATE_WRITERS.get(server.name, 0))
+    declared: list[str] = []  # spans whose records the agent lost (ring full) and said so
     for c in calls:
         row, spans = rows[c.rid], by_rid[c.rid]
         srv = [s for s in spans if s["kind"] == "SERVER"]
@@ -603,6 +604,11 @@ def check_spans(tracer: Tracer, server: Server, calls: list[Call],
             v.bad.append(f"{c.rid}: SERVER spans from pids "
                          f"{[s['attributes'].get('process.pid') for s in srv]}, "
                          f"server pid {row['pid']}")
+        elif srv[0]["attributes"].get("error.type") == "capture_gap":
+            # the exchange went on in records the kernel could not queue (a loaded CI VM
+            # under wrk: 1 in ~5000): the span says so instead of guessing; a few are
+            # allowed, never a silent wrong span
+            declared.append(c.rid)
         else:
             check_server_span(v, srv[0], row, server.tls, server.name in COALESCING)
         if client_spans:
@@ -612,3 +618,5 @@ def check_spans(tracer: Tracer, server: Server, calls: list[Call],
     wrong = sorted({b.split(":")[0] for b in v.bad})
     assert not v.bad, (f"{server.name}: {len(wrong)} of {len(calls)} calls wrong "
                        f"({len(v.bad)} findings): {v.bad[:8]}")
+    assert len(declared) <= len(calls) // 500, (
+        f"{server.name}: {len(declared)} of {len(calls)} spans lost records: {declared[:8]}")
