@@ -360,7 +360,8 @@ def explain(cause: str, d: Decomposition, ctx: Context,
     if cause == C.REQUEST_MIX_SHIFT:
         return None, _ev(d, "chunks", "req_bytes", "resp_bytes")
     if cause == C.SERVER_QUEUEING:
-        return None, _ev(d, "requests_per_s", "in_flight", "runq_ms")
+        # arrivals: requests that began in a window, the baseline's per window and this one's
+        return None, _ev(d, "arrivals", "requests_per_s", "in_flight", "runq_ms")
     return None, _ev(d, "requests_per_s")
 
 

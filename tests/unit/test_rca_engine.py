@@ -312,3 +312,5 @@ def test_arrivals_that_outlast_their_window_still_count_as_a_load_rise() -> None
     vs = _stall_run((30.0, 30.0), rate=20, surge=3.0, service_ms=40.0, stall_psi=0.05)
     assert vs and vs[0].window_start_unix_nano == T0 + 30 * SEC
     assert vs[0].causes[0].cause == "server_queueing", [(c.cause, c.score) for c in vs[0].causes]
+    arrived = [e for e in vs[0].causes[0].evidence if e.signal == "arrivals"]
+    assert arrived and arrived[0].observed > 1.4 * arrived[0].baseline, arrived
