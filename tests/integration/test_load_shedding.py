@@ -55,7 +55,11 @@ def test_flood_is_shed_by_whole_exchanges(scheme: str, nginx: Nginx, tmp_path: P
     assert logged > 5000, logged
     assert stat(line, "lost_in_kernel") == 0, line
     shed = stat(line, "exchanges_shed")
-    assert stat(line, "capture_shift") >= 1 and shed > 0, line
+    # shed > 0: the kernel sampled. The shift at the stop may be back at 0: wrk ended before
+    # the agent stopped, and the shedder lowers the shift once the budget has room (CI, after
+    # the agent got faster: shed 293,168, shift 0 at the stop). The spans' sampling
+    # probabilities below show the sampling itself.
+    assert shed > 0, line
     assert len(spans) + shed == logged, (len(spans), shed, logged)
     assert stat(line, "parser_resyncs") == 0 and stat(line, "parser_malformed") == 0, line
     for s in spans:
