@@ -163,10 +163,11 @@ def trace(
                                              "trace.cpu_budget": cpu_budget})
     except ConfigError as exc:
         _fail(str(exc))
-    sink = _JsonPrinter() if as_json else _TablePrinter()
-    flush = sink.flush if isinstance(sink, _JsonPrinter) else None
+    printer = _JsonPrinter() if as_json else None
+    sink = printer or _TablePrinter()
     if replay is not None:
-        _replay(replay, sink, cfg.trace.port or None, cfg.trace.redact_query_keys, flush)
+        _replay(replay, sink, cfg.trace.port or None, cfg.trace.redact_query_keys,
+                printer.flush if printer else None)
         return
     from sits_trace.agent.capture.loader import (  # noqa: PLC0415
         EventSource,
@@ -181,9 +182,9 @@ def trace(
 
     agent = Agent(cfg, sink, wrap_source=source)
     stop = _started(agent)
-    if isinstance(sink, _JsonPrinter) and agent.tracer is not None:
-        sink.on_closed = stop.set
-        agent.tracer.poll_observers.append(sink.flush)
+    if printer is not None and agent.tracer is not None:
+        printer.on_closed = stop.set
+        agent.tracer.poll_observers.append(printer.flush)
     typer.echo("sits-trace: tracing; Ctrl-C to stop", err=True)
     agent.run(stop, duration)
     if agent.tracer is not None:

@@ -100,9 +100,9 @@ def key_value(k: str, v: AttrValue, tag: bytes) -> bytes:
     return _field(tag, key + _field(b"\x12", _any_value(v)))
 
 
-def key_values(attrs: Mapping[str, AttrValue], skip: frozenset[str] = frozenset(),
-               tag: bytes = b"\x4a") -> bytes:
-    return b"".join(key_value(k, v, tag) for k, v in attrs.items() if k not in skip)
+def _resource_attributes(attrs: Mapping[str, AttrValue]) -> bytes:
+    """A Resource message: its attributes (field 1), uncached (once per batch and resource)."""
+    return b"".join(key_value(k, v, b"\x0a") for k, v in attrs.items())
 
 
 class KeyValueCache:
@@ -194,7 +194,7 @@ def encode(batch: Iterable[Span], resource_of: ResourceOf,
         group.append(_field(b"\x12", span_bytes(s, kvs)))
     out = []
     for key, spans in groups.items():
-        resource = _field(b"\x0a", key_values(attrs_of[key], tag=b"\x0a"))
+        resource = _field(b"\x0a", _resource_attributes(attrs_of[key]))
         scope_spans = _field(b"\x12", _SCOPE + b"".join(spans))
         out.append(_field(b"\x0a", resource + scope_spans))
     return b"".join(out)
