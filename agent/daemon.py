@@ -376,6 +376,7 @@ def format_stats_lines(stats: AgentStats) -> Sequence[str]:
         f"exchanges_shed={s.count('exchanges_shed')} capture_shift={s.count('capture_shift')} "
         f"parser_resyncs={s.parser_count('resyncs')} "
         f"parser_malformed={s.parser_count('malformed')} "
+        f"parser_internal_errors={s.parser_count('internal_errors')} "
         f"drain_abandoned_bytes={s.drain_abandoned_bytes or 0}",
         # what could not be traced, by cause (issue 10): the agent's own loss, requests past
         # the capture limit of one read, entries whose close event was lost

@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sits_trace.agent.capture.events import DataEvent, DecodeError, decode
+from sits_trace.agent.capture.loader import RecordedSource
+
 SITS = str(Path(sys.executable).parent / "sits-trace")
 Span = dict[str, Any]
 
@@ -97,11 +100,12 @@ server {{ listen 127.0.0.1:{self.port} backlog=4096; listen 127.0.0.1:{self.tls_
 class Agent:
     """`sits-trace trace --json -p PID` with default settings; spans kept with arrival times."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, record: Path | None = None) -> None:
         self.spans: list[tuple[float, Span]] = []
         self.err: list[str] = []
         self._lock = threading.Lock()
-        self.proc = subprocess.Popen([SITS, "trace", "--json", "-p", str(pid)],
+        extra = ["--record", str(record)] if record is not None else []
+        self.proc = subprocess.Popen([SITS, "trace", "--json", "-p", str(pid), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      bufsize=1)
         threading.Thread(target=self._out, daemon=True).start()
@@ -346,6 +350,7 @@ class Result:
     spans: list[Span]
     blamed: int  # spans that blame the client (malformed_request)
     agent_cores: float  # the agent's CPU use during the attack
+    record: Path | None = None  # the agent's raw records (run_scenario's `record`)
 
     def traced(self, prefix: str) -> list[Span]:
         return [s for s in self.spans if rid_of(s).startswith(prefix)]
@@ -355,11 +360,46 @@ class Result:
                 "capture_lost", "requests_uncaptured", "dribbles", "parser_malformed",
                 "conns_expired", "conns_active")
         st = " ".join(f"{k}={self.stats.get(k, 0)}" for k in keys)
+        more = " ".join(f"{k}={v}" for k, v in sorted(self.stats.items()) if v and k not in keys)
         p = self.probe
         return (f"{self.name}: {self.attack}; agent {self.agent_cores:.3f} cores during it; "
                 f"probes traced within 2 s: {p.traced}/{p.sent}, recovered "
                 f"{p.recovered_s:.2f} s after the attack; malformed_request spans: "
-                f"{self.blamed}; {st}")
+                f"{self.blamed}; {st}" + (f" ({more})" if more else ""))
+
+    def records_of(self, marker: bytes) -> str:
+        """The recorded reads and writes of the connection whose captured bytes first hold
+        `marker` (run with `record`): what a failed check is explained from."""
+        if self.record is None or not self.record.exists():
+            return "(not recorded)"
+        return connection_records(self.record, marker)
+
+
+def connection_records(path: Path, marker: bytes) -> str:
+    """One line per data record of the first connection whose captured bytes hold `marker`:
+    direction, bytes moved, bytes captured, flags, and the captured bytes' ends."""
+    src, events = RecordedSource(path), []
+    while not src.exhausted:
+        raws = src.read(0)
+        for raw in raws:
+            try:
+                ev = decode(raw)
+            except DecodeError:
+                continue
+            if isinstance(ev, DataEvent):
+                events.append(ev)
+    conn = next((e.conn_id for e in events if marker in e.payload), None)
+    if conn is None:
+        return f"(no record holds {marker!r})"
+    mine = [e for e in events if e.conn_id == conn]
+    out = []
+    for e in mine:
+        data = bytes(e.payload)
+        ends = repr(data if len(data) <= 48 else data[:16] + b".." + data[-28:])
+        flags = "".join(f for f, on in (("T", e.tail), ("G", e.gap), ("L", e.lost)) if on)
+        out.append(f"{('in', 'out')[int(e.direction)]} {e.length} cap={len(data)} {flags or '-'} "
+                   f"{(e.ts_exit_ns - mine[0].ts_enter_ns) / 1e6:.3f}ms {ends}")
+    return "\n".join(out)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -367,8 +407,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_scenario(name: str, nginx: Nginx, scale: float) -> Result:
-    agent = Agent(nginx.proc.pid)
+def run_scenario(name: str, nginx: Nginx, scale: float, record: Path | None = None) -> Result:
+    """Run attack `name`, then the probes, under a fresh agent (saving its raw records to
+    `record` when given)."""
+    agent = Agent(nginx.proc.pid, record)
     try:
         c0, t0 = cpu_seconds(agent.proc.pid), time.monotonic()
         what = ATTACKS[name](nginx.tls_port if name.endswith("-tls") else nginx.port, scale)
@@ -378,7 +420,8 @@ def run_scenario(name: str, nginx: Nginx, scale: float) -> Result:
     finally:
         stats = agent.stop()
     spans = [s for _, s in agent.spans if s.get("kind") == "SERVER"]
-    return Result(name, what, p, stats, spans, sum(1 for s in spans if blames_client(s)), cores)
+    return Result(name, what, p, stats, spans, sum(1 for s in spans if blames_client(s)), cores,
+                  record)
 
 
 def main() -> None:

@@ -62,13 +62,17 @@ def test_churn_with_time_wait(nginx: Nginx) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["upload", "upload-tls"])
-def test_huge_upload_then_request_on_the_same_connection(nginx: Nginx, scenario: str) -> None:
-    r = run_scenario(scenario, nginx, SCALE)
+def test_huge_upload_then_request_on_the_same_connection(nginx: Nginx, scenario: str,
+                                                        tmp_path: Path) -> None:
+    r = run_scenario(scenario, nginx, SCALE, record=tmp_path / "records.bin")
     check_common(r)
     # the request after the upload is traced, unless the agent was shedding load then (one
     # exchange in 2^shift captured, each skipped one counted: CI's machine, loaded by another
-    # job, shed 11 exchanges around this upload once, the request among them)
-    assert len(r.traced(f"{scenario}-after")) == 1 or r.stats["exchanges_shed"] > 0, r.line()
+    # job, shed 11 exchanges around this upload once, the request among them). A failure
+    # shows the connection's records (one CI run: not traced, parser_malformed=1, nothing
+    # lost or shed; not reproduced in 60 runs since)
+    assert len(r.traced(f"{scenario}-after")) == 1 or r.stats["exchanges_shed"] > 0, (
+        r.line() + "\n" + r.records_of(f"x-request-id: {scenario}-big".encode()))
     # past its first 64 KiB the body's reads send their last 512 bytes, not 4 KiB each: the
     # ring does not overflow (before: 30 MiB of payload into a 16 MiB ring, 2489 records lost
     # in a clean-clone CI run and the next request among them; 10590 at 100 MiB)
