@@ -385,5 +385,7 @@ def format_stats_lines(stats: AgentStats) -> Sequence[str]:
          f"uncaptured_bytes={s.parser_count('uncaptured_bytes')} "
          f"tls_false_alarms={s.parser_count('tls_false_alarms')} "
          f"conns_expired={s.count('conns_expired')} conns_replaced={s.count('conns_replaced')} "
-         f"conns_active={s.count('conns_active')} dribbles={s.count('dribbles')}"),
+         f"conns_active={s.count('conns_active')} dribbles={s.count('dribbles')} "
+         f"orphan_data={s.count('orphan_data')} "
+         f"orphan_responses={s.parser_count('orphan_responses')}"),
     ]

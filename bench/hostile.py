@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sits_trace.agent.capture.events import DataEvent, DecodeError, decode
+from sits_trace.agent.capture.events import ConnEvent, DataEvent, DecodeError, decode
 from sits_trace.agent.capture.loader import RecordedSource
 
 SITS = str(Path(sys.executable).parent / "sits-trace")
@@ -376,8 +376,9 @@ class Result:
 
 
 def connection_records(path: Path, marker: bytes) -> str:
-    """One line per data record of the first connection whose captured bytes hold `marker`:
-    direction, bytes moved, bytes captured, flags, and the captured bytes' ends."""
+    """One line per record of the first connection whose captured bytes hold `marker`: its
+    opening and closing; each read and write's direction, bytes moved, bytes captured, flags
+    and the captured bytes' ends."""
     src, events = RecordedSource(path), []
     while not src.exhausted:
         raws = src.read(0)
@@ -386,19 +387,24 @@ def connection_records(path: Path, marker: bytes) -> str:
                 ev = decode(raw)
             except DecodeError:
                 continue
-            if isinstance(ev, DataEvent):
+            if isinstance(ev, (DataEvent, ConnEvent)):
                 events.append(ev)
-    conn = next((e.conn_id for e in events if marker in e.payload), None)
+    conn = next((e.conn_id for e in events if isinstance(e, DataEvent) and marker in e.payload),
+                None)
     if conn is None:
         return f"(no record holds {marker!r})"
     mine = [e for e in events if e.conn_id == conn]
+    t0 = next((e.ts_enter_ns for e in mine if isinstance(e, DataEvent)), 0)
     out = []
     for e in mine:
+        if isinstance(e, ConnEvent):
+            out.append(f"{e.kind.name.lower()} fd={e.fd} {(e.ts_ns - t0) / 1e6:.3f}ms")
+            continue
         data = bytes(e.payload)
         ends = repr(data if len(data) <= 48 else data[:16] + b".." + data[-28:])
         flags = "".join(f for f, on in (("T", e.tail), ("G", e.gap), ("L", e.lost)) if on)
         out.append(f"{('in', 'out')[int(e.direction)]} {e.length} cap={len(data)} {flags or '-'} "
-                   f"{(e.ts_exit_ns - mine[0].ts_enter_ns) / 1e6:.3f}ms {ends}")
+                   f"{(e.ts_exit_ns - t0) / 1e6:.3f}ms {ends}")
     return "\n".join(out)
 
 
