@@ -133,8 +133,8 @@ class SitsCollector(Collector):
         yield CounterMetricFamily("sits_parser_malformed", "Malformed HTTP messages seen.",
                                   value=float(stats.parser_count("malformed")))
         yield CounterMetricFamily("sits_parser_internal_errors",
-                                  "Parser or span-consumer errors caught (a bug in the agent: "
-                                  "the connection's parse was reset).",
+                                  "Exceptions caught in the HTTP parser (the connection then "
+                                  "resyncs) or in a span consumer: a bug in the agent.",
                                   value=float(stats.parser_count("internal_errors")))
         failed = GaugeMetricFamily("sits_probe_failed", "1 for each probe that did not attach.",
                                    labels=["probe", "group", "required"])
