@@ -17,15 +17,18 @@ venv: .venv/.sits-installed
 demo: setup
 	$(PY) examples/demo.py
 
+# every test on the compiled hot path (setup builds it), then the unit tests again with the
+# same modules interpreted (SITS_NATIVE=0: what runs where no compiler is)
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
+	SITS_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 unit: venv
 	$(PY) -m pytest -q tests/unit
 
 lint: venv
-	.venv/bin/ruff check agent exporters analyzers tests bench examples dashboards
-	.venv/bin/mypy --strict agent exporters analyzers
+	.venv/bin/ruff check agent exporters analyzers tests bench examples dashboards scripts
+	.venv/bin/mypy --strict agent exporters analyzers scripts/build_native.py
 
 bench: setup
 	$(PY) bench/overhead.py

@@ -130,6 +130,15 @@ def _agent_stats() -> Check:
                  "events lost: raise trace.ringbuf_mib or lower trace.poll_ms")
 
 
+def _native() -> Check:
+    from sits_trace.agent import native  # noqa: PLC0415
+
+    st = native.status()
+    detail = st.reason if st.compiled else f"pure Python: {st.reason}"
+    return Check("compiled hot path", st.compiled, detail,
+                 f"about half the agent's CPU per span: {SETUP_HINT} (needs gcc, python3-dev)")
+
+
 EXTRA_CHECKS: list[Callable[[], list[Check]]] = []  # other stages add theirs (CUDA, TCP...)
 
 
@@ -169,7 +178,7 @@ def run_checks() -> list[Check]:
     ]
     steps += [(getattr(extra, "__name__", "extra").strip("_").replace("_checks", ""), extra)
               for extra in EXTRA_CHECKS]
-    steps += [("nvml", _nvml), ("agent stats", _agent_stats)]
+    steps += [("nvml", _nvml), ("compiled hot path", _native), ("agent stats", _agent_stats)]
     checks: list[Check] = []
     for name, check in steps:
         checks += _guarded(name, check)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/agent_cpu.py [--connections 10] [--paced-ms 10] [--seconds 8]
         [--rounds 3] [--config a.toml] [--baseline /other/.venv/bin/python] [--baseline-config b.toml]
-        [--otlp]
+        [--baseline-env NAME=VALUE ...] [--otlp]
 
 nginx (`return 200`) under wrk, each of `--connections` waiting `--paced-ms` between requests
 (10 x 10 ms: about 1k requests/s; 20 x 2 ms: as many as the VM gives, ~7k here; 1 x 1000 ms:
@@ -10,7 +10,8 @@ the agent nearly idle). The agent runs `trace --json --pid <nginx> --cpu-budget 
 capture, output to /dev/null) with `--config` when given; its CPU (utime + stime from /proc)
 is taken over `--seconds` once wrk has run for two. With `--baseline` and/or
 `--baseline-config` the two sides alternate, round by round, so drift in the machine's load
-hits both. Prints requests/s, agent cores and agent µs per request (every request is a span:
+hits both; `--baseline-env SITS_NATIVE=0` makes the baseline this checkout with its hot path
+interpreted instead of compiled (agent/native.py). Prints requests/s, agent cores and agent µs per request (every request is a span:
 full capture, nothing shed) for each run, then the medians.
 
 `--otlp`: the agent runs as the service does (`sits-trace run`, a config with `trace.pids`,
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import os
 import re
 import statistics
 import subprocess
@@ -88,7 +90,8 @@ enabled = false
 
 
 def one_run(python: str, config: str | None, a: argparse.Namespace,
-            receiver: Receiver | None = None) -> tuple[float, float]:
+            receiver: Receiver | None = None,
+            env: dict[str, str] | None = None) -> tuple[float, float]:
     """(requests/s, agent cores) of one run."""
     sits = str(Path(python).parent / "sits-trace")
     port = overhead.free_port()
@@ -105,7 +108,7 @@ def one_run(python: str, config: str | None, a: argparse.Namespace,
             cmd += ["--config", config] if config else []
             ready = "tracing"
         agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                 text=True)
+                                 text=True, env={**os.environ, **(env or {})})
         try:
             assert agent.stderr is not None
             for line in agent.stderr:
@@ -136,18 +139,21 @@ def main() -> int:
     ap.add_argument("--config", help="TOML config for the agent under test")
     ap.add_argument("--baseline", help="python of another checkout's venv to alternate with")
     ap.add_argument("--baseline-config", help="TOML config for the baseline side")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment for the baseline side's agent (repeatable)")
     ap.add_argument("--otlp", action="store_true",
                     help="run as the service, every span over OTLP/HTTP to a receiver here")
     a = ap.parse_args()
     receiver = Receiver() if a.otlp else None
-    sides = [("this", sys.executable, a.config)]
-    if a.baseline or a.baseline_config:
-        sides.append(("baseline", a.baseline or sys.executable, a.baseline_config))
-    got: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in sides}
+    benv = dict(kv.split("=", 1) for kv in a.baseline_env)
+    sides = [("this", sys.executable, a.config, {})]
+    if a.baseline or a.baseline_config or benv:
+        sides.append(("baseline", a.baseline or sys.executable, a.baseline_config, benv))
+    got: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in sides}
     for r in range(a.rounds):
-        for name, python, config in sides if r % 2 == 0 else sides[::-1]:
+        for name, python, config, env in sides if r % 2 == 0 else sides[::-1]:
             before = receiver.spans if receiver is not None else 0
-            rps, cores = one_run(python, config, a, receiver)
+            rps, cores = one_run(python, config, a, receiver, env)
             got[name].append((rps, cores))
             per = cores / rps * 1e6 if rps else float("nan")
             spans = (f", {receiver.spans - before} spans received"

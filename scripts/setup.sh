@@ -54,4 +54,5 @@ if [ ! -e "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/pip install -q -e '.[test]'
     touch "$stamp"
 fi
+.venv/bin/python scripts/build_native.py  # the agent's hot path in C (mypyc); Python if it can't
 .venv/bin/python -c 'import bcc, sits_trace.agent' && echo "setup: ok (.venv ready; bcc importable)"

@@ -410,6 +410,9 @@ class Tracer:
         return n
 
 
+_SWEEP_S = 10.0  # a module constant: mypyc rejects a default naming a class attribute
+
+
 class Rescans:
     """Processes to look at again for new libraries, at growing delays after exec
     (interpreters load libssl late, when the program first imports ssl), and every
@@ -417,11 +420,11 @@ class Rescans:
     later, by a process the agent found already running)."""
 
     DELAYS_S = (0.0, 0.2, 1.0, 5.0, 20.0)  # 0: a program with OpenSSL inside (node) at once
-    SWEEP_S = 10.0
+    SWEEP_S = _SWEEP_S
 
     def __init__(self, check: Callable[[int], None],
                  monotonic: Callable[[], float] = time.monotonic,
-                 traced: Callable[[], Iterable[int]] = tuple, sweep_s: float = SWEEP_S) -> None:
+                 traced: Callable[[], Iterable[int]] = tuple, sweep_s: float = _SWEEP_S) -> None:
         self._heap: list[tuple[float, int, int]] = []
         self._check = check
         self._now = monotonic

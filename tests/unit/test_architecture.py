@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("agent", "analyzers", "exporters")
 STAGE_OF_PREFIX = (  # most specific first
     ("sits_trace.agent.model", 0), ("sits_trace.agent.clock", 0), ("sits_trace.agent.config", 0),
+    ("sits_trace.agent.native", 0),
     ("sits_trace.agent.capture", 1), ("sits_trace.agent.tracing", 2),
     ("sits_trace.agent.signals", 3), ("sits_trace.analyzers", 4), ("sits_trace.exporters", 5),
     ("sits_trace.agent.cli", 6), ("sits_trace.agent.daemon", 6), ("sits_trace.agent.doctor", 6),

@@ -1,0 +1,113 @@
+"""The compiled hot path (agent/native.py): a build is used only while it matches its
+sources, all of it or none, and SITS_NATIVE=0 turns it off."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sits_trace.agent import native
+
+EXT = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _tree(tmp_path: Path, *, built: bool = True, record: bool = True) -> Path:
+    """A tree with every module's source, a (fake) extension beside each and the build
+    record naming their digests, as scripts/build_native.py leaves it."""
+    root = tmp_path
+    digests = {}
+    for m in native.MODULES:
+        src = native.source_of(m, root)
+        src.parent.mkdir(parents=True, exist_ok=True)
+        src.write_text(f"# {m}\nX = 1\n")
+        digests[m] = native._digest(src)
+        if built:
+            src.with_suffix(EXT).write_bytes(b"")
+    if record:
+        (root / native.MANIFEST).write_text(json.dumps(
+            {"sources": digests, "stamp": native._stamp(), "mypyc": "9.9"}))
+    return root
+
+
+def test_a_build_matching_its_sources_is_used(tmp_path: Path) -> None:
+    st = native.check(_tree(tmp_path))
+    assert st.compiled and st.stale == ()
+    assert "mypyc 9.9" in st.reason
+
+
+def test_one_changed_source_keeps_the_whole_build_out(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    src = native.source_of("sits_trace.agent.tracing.http1", root)
+    src.write_text(src.read_text() + "Y = 2\n")
+    st = native.check(root)
+    assert not st.compiled
+    assert st.stale == ("sits_trace.agent.tracing.http1",)
+
+
+def test_a_module_the_build_lacks_is_stale(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    native.source_of("sits_trace.agent.model", root).with_suffix(EXT).unlink()
+    st = native.check(root)
+    assert not st.compiled and st.stale == ("sits_trace.agent.model",)
+
+
+@pytest.mark.parametrize("record", ["missing", "garbage", "no sources", "other python"])
+def test_extensions_without_a_true_record_are_not_used(tmp_path: Path, record: str) -> None:
+    root = _tree(tmp_path, record=record != "missing")
+    manifest = root / native.MANIFEST
+    if record == "garbage":
+        manifest.write_text("{not json")
+    elif record == "no sources":
+        manifest.write_text(json.dumps({"stamp": native._stamp(), "mypyc": "9.9"}))
+    elif record == "other python":
+        rec = json.loads(manifest.read_text())
+        rec["stamp"] = {"python": "cpython-399"}
+        manifest.write_text(json.dumps(rec))
+    st = native.check(root)
+    assert not st.compiled
+    assert set(st.stale) == set(native.MODULES)
+
+
+def test_no_build_is_pure_python_and_not_stale(tmp_path: Path) -> None:
+    st = native.check(_tree(tmp_path, built=False, record=False))
+    assert not st.compiled and st.stale == () and "not built" in st.reason
+
+
+def _imported_from(env: dict[str, str]) -> tuple[dict[str, str], str]:
+    code = ("import importlib, json, sys\n"
+            "from sits_trace.agent import native\n"
+            "for m in native.MODULES: importlib.import_module(m)\n"
+            "print(json.dumps({m: sys.modules[m].__file__ for m in native.MODULES}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=60, check=True)
+    return json.loads(r.stdout), r.stderr
+
+
+def test_sits_native_0_imports_every_module_from_its_source() -> None:
+    files, err = _imported_from({"SITS_NATIVE": "0"})
+    assert all(f.endswith(".py") for f in files.values()), files
+    assert "out of date" not in err
+
+
+def test_the_hot_path_runs_compiled_where_it_was_built() -> None:
+    """In CI (SITS_REQUIRE_NATIVE=1) setup must have built it and this process must run it;
+    elsewhere a missing build is a skip, and a test run under SITS_NATIVE=0 runs none."""
+    st = native.status()
+    if os.environ.get("SITS_NATIVE") == "0":
+        assert not st.compiled and not native.in_use()
+        return
+    if not st.compiled:
+        if os.environ.get("SITS_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"SITS_REQUIRE_NATIVE=1 but the hot path is not compiled: {st.reason}")
+        pytest.skip(f"the hot path is not compiled here: {st.reason}")
+    files, err = _imported_from({})
+    assert not any(f.endswith(".py") for f in files.values()), files
+    assert err == ""
+    import sits_trace.agent.tracing.pipeline  # noqa: F401 - in this process too
+
+    assert native.in_use()
