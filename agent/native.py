@@ -15,6 +15,13 @@ SHA-256 of every source it compiled to `native.json`; if one differs, or there i
 record, or `SITS_NATIVE=0` is set, every module of the set is imported from its source for
 this process (all or none: the compiled modules use each other's C structs directly), and
 a stale build says so in one line on stderr.
+
+What compiling changes, and the modules are written for: a class of the set cannot be
+subclassed by interpreted code, or given attributes its body does not declare; a value of
+the wrong type assigned to a typed attribute raises TypeError instead of passing through; a
+module-level name rebound from outside (a test's monkeypatch) is not seen by compiled code,
+so a test that needs that runs under SITS_NATIVE=0 (`make test` runs the unit tests both
+ways). py-spy sees the compiled functions only with `--native`.
 """
 
 from __future__ import annotations

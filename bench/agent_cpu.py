@@ -146,7 +146,8 @@ def main() -> int:
     a = ap.parse_args()
     receiver = Receiver() if a.otlp else None
     benv = dict(kv.split("=", 1) for kv in a.baseline_env)
-    sides = [("this", sys.executable, a.config, {})]
+    sides: list[tuple[str, str, str | None, dict[str, str]]] = [
+        ("this", sys.executable, a.config, {})]
     if a.baseline or a.baseline_config or benv:
         sides.append(("baseline", a.baseline or sys.executable, a.baseline_config, benv))
     got: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in sides}

@@ -8,9 +8,11 @@ and serialisation are in the cost. Its stats line says whether events were lost.
 
 Usage: bench/overhead.py [--pairs 5] [--seconds 5] [--connections 50] [--threads 1] [--paced-ms N]
                          [--mode trace] [--mode full] [--mode kernel] [--bpf-stats]
-                         [--baseline /path/to/other/.venv/bin/python]
+                         [--baseline /path/to/other/.venv/bin/python] [--baseline-env NAME=VALUE]
 With --baseline, each mode also runs as "<mode>@base" with that interpreter (another checkout's
 venv, e.g. main's), interleaved in the same rounds: before/after under the same noise.
+With --baseline-env (e.g. SITS_NATIVE=0: this checkout's hot path interpreted, not compiled),
+"<mode>@base" runs with that environment, with this checkout's interpreter unless --baseline.
 Writes a JSON summary to bench/results/overhead-<time>.json and prints it.
 """
 
@@ -99,14 +101,16 @@ CPU_BUDGET: str | None = None
 
 
 BASELINE: str | None = None  # --baseline: another checkout's python, for "<mode>@base"
+BASELINE_ENV: dict[str, str] = {}  # --baseline-env: the environment of "<mode>@base"
 
 
 def agent_command(mode: str, pid: int) -> list[str]:
     py, sits, root = sys.executable, SITS, ROOT
-    if mode.endswith("@base") and BASELINE:
-        py = BASELINE
-        sits = str(Path(BASELINE).parent / "sits-trace")
-        root = Path(BASELINE).parents[2]  # <checkout>/.venv/bin/python (not resolved: a symlink)
+    if mode.endswith("@base"):
+        if BASELINE:
+            py = BASELINE
+            sits = str(Path(BASELINE).parent / "sits-trace")
+            root = Path(BASELINE).parents[2]  # <checkout>/.venv/bin/python (not resolved)
         mode = mode[:-5]
     if mode == "kernel":  # probes and ring only: what the kernel half costs
         return [py, str(root / "bench" / "kernel_only.py"), "--pid", str(pid)]
@@ -117,8 +121,9 @@ def agent_command(mode: str, pid: int) -> list[str]:
 
 
 def start_agent(mode: str, pid: int) -> subprocess.Popen[str]:
+    env = {**os.environ, **BASELINE_ENV} if mode.endswith("@base") else None
     p = subprocess.Popen(agent_command(mode, pid), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, env=env)
     assert p.stderr is not None
     for line in p.stderr:
         if "tracing" in line:
@@ -159,6 +164,8 @@ def main() -> int:
     ap.add_argument("--cpu-budget", help="the agent's trace.cpu_budget in trace mode")
     ap.add_argument("--baseline", help="python of another checkout's venv: every mode also runs "
                                        "as <mode>@base with it, interleaved")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment of <mode>@base (repeatable), e.g. SITS_NATIVE=0")
     ap.add_argument("--bpf-stats", action="store_true",
                     help="kernel mode: count BPF program run time (sysctl "
                          "kernel.bpf_stats_enabled=1 while it runs) and print it per program")
@@ -168,7 +175,8 @@ def main() -> int:
     modes = args.mode or ["trace"]
     global BASELINE
     BASELINE = args.baseline
-    if BASELINE:
+    BASELINE_ENV.update(kv.split("=", 1) for kv in args.baseline_env)
+    if BASELINE or BASELINE_ENV:
         modes = [m for mode in modes for m in (mode, f"{mode}@base")]
     stats_knob = Path("/proc/sys/kernel/bpf_stats_enabled")
     if args.bpf_stats:

@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/sse_load.py [--streams 200] [--rate 50] [--tokens 50] [--seconds 10]
                                        [--rounds 3] [--baseline /path/to/main/.venv/bin/python]
+                                       [--baseline-env NAME=VALUE]
 
 `--streams` clients each stream a chat completion of `--tokens` events at `--rate` events/s
 (each event its own write, then a usage event, `data: [DONE]` and the chunked terminator),
 then ask again on the same connection, for `--seconds`. In each round the same load runs with
 no agent, with this checkout's `sits-trace trace --json --pid <server>` at the default budget,
-and (with --baseline) with another checkout's agent: interleaved, so noise hits all alike.
+and (with --baseline) with another checkout's agent, or (with --baseline-env, e.g. SITS_NATIVE=0)
+this checkout's in that environment: interleaved, so noise hits all alike.
 Prints, per agent: its CPU (cores), records read per response, spans, exchanges shed, and
 the events/s the server really delivered (a loaded machine may not reach the asked rate).
 """
@@ -102,10 +104,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_agent(py: str, pid: int) -> subprocess.Popen[str]:
+def start_agent(py: str, pid: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     sits = str(Path(py).parent / "sits-trace")
     p = subprocess.Popen([sits, "trace", "--json", "--pid", str(pid)], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     assert p.stderr is not None
     for line in p.stderr:
         if "tracing" in line:
@@ -126,9 +128,13 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", help="another checkout's venv python (e.g. main's)")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment of the baseline agent (repeatable), e.g. SITS_NATIVE=0")
     a = ap.parse_args()
     port = 20000 + os.getpid() % 20000
-    agents = {"after": sys.executable} | ({"base": a.baseline} if a.baseline else {})
+    benv = dict(kv.split("=", 1) for kv in a.baseline_env)
+    agents = {"after": sys.executable} | (
+        {"base": a.baseline or sys.executable} if a.baseline or benv else {})
     rows: dict[str, list[dict[str, float]]] = {"off": []} | {k: [] for k in agents}
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "sseapp.py").write_text(APP)
@@ -143,7 +149,8 @@ def main() -> int:
             load(port, 4, 1)  # warm-up
             for rnd in range(a.rounds):
                 for name, done_rows in rows.items():
-                    agent = start_agent(agents[name], server.pid) if name != "off" else None
+                    agent = (start_agent(agents[name], server.pid, benv if name == "base" else None)
+                             if name != "off" else None)
                     c0 = cpu_seconds(agent.pid) if agent else 0.0
                     s0 = cpu_seconds(server.pid)
                     t0 = time.monotonic()
