@@ -77,6 +77,18 @@ class Chunk:
     length: int
     tail: bool = False  # ``data`` is the last bytes of what moved (the rest came before it)
 
+    # an __init__ written out is compiled with the class (agent/native.py); the one the
+    # dataclass decorator would write runs interpreted. tests/unit/test_native.py checks
+    # that each such __init__ takes the fields, in order, with their defaults.
+    def __init__(self, direction: Direction, ts_enter_ns: int, ts_exit_ns: int, data: bytes,
+                 length: int, tail: bool = False) -> None:
+        self.direction = direction
+        self.ts_enter_ns = ts_enter_ns
+        self.ts_exit_ns = ts_exit_ns
+        self.data = data
+        self.length = length
+        self.tail = tail
+
 
 @dataclass(slots=True)
 class StreamChunk:
@@ -112,6 +124,19 @@ class RequestHead:
     body_head: bytes = b""
     body_tail: bytes = b""
 
+    def __init__(self, method: str, target: str, version: str, headers: list[tuple[str, str]],
+                 start_ns: int, end_ns: int, body_bytes: int = 0, body_head: bytes = b"",
+                 body_tail: bytes = b"") -> None:
+        self.method = method
+        self.target = target
+        self.version = version
+        self.headers = headers
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.body_bytes = body_bytes
+        self.body_head = body_head
+        self.body_tail = body_tail
+
     def header(self, name: str) -> str | None:
         for key, value in self.headers:
             if key == name:
@@ -140,6 +165,29 @@ class ResponseHead:
     sse_done: bool = False  # an OpenAI-style `data: [DONE]` terminal event was seen
     body_tail: bytes = b""  # last captured body bytes of model-serving routes (the `usage`)
 
+    def __init__(self, status: int, version: str, headers: list[tuple[str, str]],
+                 first_byte_ns: int, end_ns: int, first_body_ns: int | None = None,
+                 first_token_ns: int | None = None, last_body_ns: int | None = None,
+                 body_bytes: int = 0, body_chunks: int = 0, streamed: bool = False,
+                 max_gap_ns: int = 0, sse: bool = False, sse_events: int = 0,
+                 sse_done: bool = False, body_tail: bytes = b"") -> None:
+        self.status = status
+        self.version = version
+        self.headers = headers
+        self.first_byte_ns = first_byte_ns
+        self.end_ns = end_ns
+        self.first_body_ns = first_body_ns
+        self.first_token_ns = first_token_ns
+        self.last_body_ns = last_body_ns
+        self.body_bytes = body_bytes
+        self.body_chunks = body_chunks
+        self.streamed = streamed
+        self.max_gap_ns = max_gap_ns
+        self.sse = sse
+        self.sse_events = sse_events
+        self.sse_done = sse_done
+        self.body_tail = body_tail
+
     def header(self, name: str) -> str | None:
         for key, value in self.headers:
             if key == name:
@@ -156,6 +204,13 @@ class Exchange:
     response: ResponseHead | None
     error: str | None = None  # e.g. "connection_closed" when no response came
 
+    def __init__(self, conn: ConnInfo, request: RequestHead, response: ResponseHead | None,
+                 error: str | None = None) -> None:
+        self.conn = conn
+        self.request = request
+        self.response = response
+        self.error = error
+
 
 @dataclass(slots=True)
 class Span:
@@ -170,6 +225,20 @@ class Span:
     end_time_unix_nano: int
     attributes: dict[str, AttrValue] = field(default_factory=dict)
     status_code: str = "UNSET"  # "UNSET" | "ERROR" (OTel span status)
+
+    def __init__(self, trace_id: str, span_id: str, parent_span_id: str | None, name: str,
+                 kind: str, start_time_unix_nano: int, end_time_unix_nano: int,
+                 attributes: dict[str, AttrValue] | None = None,
+                 status_code: str = "UNSET") -> None:
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_span_id = parent_span_id
+        self.name = name
+        self.kind = kind
+        self.start_time_unix_nano = start_time_unix_nano
+        self.end_time_unix_nano = end_time_unix_nano
+        self.attributes = {} if attributes is None else attributes
+        self.status_code = status_code
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -42,7 +42,10 @@ from types import ModuleType
 BASE = Path(__file__).resolve().parents[1]
 MODULES = (
     "sits_trace.agent.model",
+    "sits_trace.agent.capture.ringbuf",
     "sits_trace.agent.capture.events",
+    "sits_trace.agent.tracing.redact",
+    "sits_trace.agent.tracing.genai",
     "sits_trace.agent.tracing.http1",
     "sits_trace.agent.tracing.pipeline",
     "sits_trace.agent.tracing.spans",

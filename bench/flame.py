@@ -6,7 +6,8 @@
 nginx (`return 200`) under wrk with each of `--connections` pacing `--paced-ms` between
 requests (20 x 2 ms: about 10k requests/s asked); the agent (`--python`'s checkout, default
 this one) runs `trace --json --pid <nginx> --cpu-budget 0` and py-spy records it for
-`--seconds` (an --out ending in .txt gets collapsed stacks instead of an SVG). Prints the spans/s it traced and its CPU per span. Needs py-spy (PyPI) in the venv.
+`--seconds` (an --out ending in .txt gets collapsed stacks instead of an SVG; `--native` for
+the compiled hot path's frames). Prints the spans/s it traced and its CPU per span. Needs py-spy (PyPI) in the venv.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=20)
     ap.add_argument("--paced-ms", type=int, default=2)
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--native", action="store_true",
+                    help="C frames too: the compiled hot path's functions (agent/native.py) show "
+                         "only so; py-spy then stops the agent at each sample")
     a = ap.parse_args()
     pyspy = str(Path(sys.executable).parent / "py-spy")
     sits = str(Path(a.python).parent / "sits-trace")
@@ -52,9 +56,9 @@ def main() -> int:
             time.sleep(2)
             c0 = overhead.cpu_seconds(agent.pid)
             fmt = ["--format", "raw"] if a.out.endswith(".txt") else []  # collapsed stacks
+            how = ["--native"] if a.native else ["--nonblocking"]
             subprocess.run([pyspy, "record", "-o", a.out, *fmt, "-d", str(a.seconds), "-r", "200",
-                            "--pid", str(agent.pid), "--nonblocking"], check=True,
-                           capture_output=True)
+                            "--pid", str(agent.pid), *how], check=True, capture_output=True)
             cpu = overhead.cpu_seconds(agent.pid) - c0
             out, _ = wrk.communicate(timeout=60)
         finally:

@@ -105,6 +105,29 @@ class DataEvent:
     lost: bool = False  # records of this connection were lost before it (ring full): resync
     tail: bool = False  # payload is the last bytes of `length` (a long request body's rest)
 
+    # written out: compiled with the class (agent/native.py; model.Chunk says why)
+    def __init__(self, pid: int, tid: int, conn_id: int, fd: int, ssl: int, ts_enter_ns: int,
+                 ts_exit_ns: int, length: int, direction: Direction, source: Source, role: Role,
+                 payload: bytes, runq_us: int = 0, sample_shift: int = 0, gap: bool = False,
+                 lost: bool = False, tail: bool = False) -> None:
+        self.pid = pid
+        self.tid = tid
+        self.conn_id = conn_id
+        self.fd = fd
+        self.ssl = ssl
+        self.ts_enter_ns = ts_enter_ns
+        self.ts_exit_ns = ts_exit_ns
+        self.length = length
+        self.direction = direction
+        self.source = source
+        self.role = role
+        self.payload = payload
+        self.runq_us = runq_us
+        self.sample_shift = sample_shift
+        self.gap = gap
+        self.lost = lost
+        self.tail = tail
+
 
 @dataclass(slots=True)
 class StreamEvent:

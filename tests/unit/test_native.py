@@ -3,6 +3,7 @@ sources, all of it or none, and SITS_NATIVE=0 turns it off."""
 
 from __future__ import annotations
 
+import ast
 import importlib.machinery
 import json
 import os
@@ -111,3 +112,44 @@ def test_the_hot_path_runs_compiled_where_it_was_built() -> None:
     import sits_trace.agent.tracing.pipeline  # noqa: F401 - in this process too
 
     assert native.in_use()
+
+
+def _written_inits() -> list[tuple[str, ast.ClassDef, ast.FunctionDef]]:
+    out = []
+    for m in native.MODULES:
+        tree = ast.parse(native.source_of(m).read_text())
+        for cls in ast.walk(tree):
+            if not isinstance(cls, ast.ClassDef) or not any(
+                    "dataclass" in ast.unparse(d) for d in cls.decorator_list):
+                continue
+            for f in cls.body:
+                if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                    out.append((f"{m}.{cls.name}", cls, f))
+    return out
+
+
+def test_hot_classes_write_their_init_out() -> None:
+    """The classes made per record compile their __init__ (see model.Chunk)."""
+    names = {n.rsplit(".", 1)[1] for n, _, _ in _written_inits()}
+    assert {"Chunk", "RequestHead", "ResponseHead", "Exchange", "Span", "DataEvent"} <= names
+
+
+@pytest.mark.parametrize("name,cls,init", _written_inits(), ids=lambda x: str(x)[:40])
+def test_a_written_out_init_takes_the_fields_in_order_with_their_defaults(
+        name: str, cls: ast.ClassDef, init: ast.FunctionDef) -> None:
+    fields = [(s.target.id, None if s.value is None else ast.unparse(s.value))
+              for s in cls.body if isinstance(s, ast.AnnAssign)
+              and isinstance(s.target, ast.Name) and "ClassVar" not in ast.unparse(s.annotation)]
+    args = [a.arg for a in init.args.args[1:]]
+    defaults = [None] * (len(args) - len(init.args.defaults)) + [
+        ast.unparse(d) for d in init.args.defaults]
+    assert args == [f for f, _ in fields], name
+    for (f, want), got in zip(fields, defaults):
+        if want is not None and want.startswith("field(default_factory="):
+            assert got == "None", f"{name}.{f}: a factory's field takes None, then the factory"
+        else:
+            assert got == want, f"{name}.{f}: default {got} in __init__, {want} in the field"
+    assigned = {t.attr for s in ast.walk(init) if isinstance(s, ast.Assign)
+                for t in s.targets if isinstance(t, ast.Attribute)
+                and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert assigned == set(args), name
