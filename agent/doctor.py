@@ -135,8 +135,10 @@ def _native() -> Check:
 
     st = native.status()
     detail = st.reason if st.compiled else f"pure Python: {st.reason}"
-    return Check("compiled hot path", st.compiled, detail,
-                 f"about half the agent's CPU per span: {SETUP_HINT} (needs gcc, python3-dev)")
+    fix = (f"unset {native.ENV} to run the build" if st.reason.startswith(native.ENV) else
+           f"{SETUP_HINT}: it compiles the hot path (needs gcc and python3-dev), "
+           "less than half the agent's CPU per span")
+    return Check("compiled hot path", st.compiled, detail, fix)
 
 
 EXTRA_CHECKS: list[Callable[[], list[Check]]] = []  # other stages add theirs (CUDA, TCP...)

@@ -2,8 +2,8 @@
 stale build from running.
 
 The modules in MODULES are ordinary typed Python (mypy --strict passes on them); `make
-setup` compiles them with mypyc, which turns their classes into C structs and their
-functions into C functions (`build()`, below). The extension modules sit next to the
+setup` compiles them with mypyc (scripts/build_native.py), which turns their classes into
+C structs and their functions into C functions. The extension modules sit next to the
 sources, where Python's import system prefers them to the `.py` files. Nothing else in the
 project knows whether it runs compiled: the compiled and the interpreted modules behave
 the same and the unit tests run on both (`make test`).

@@ -153,3 +153,21 @@ def test_a_written_out_init_takes_the_fields_in_order_with_their_defaults(
                 for t in s.targets if isinstance(t, ast.Attribute)
                 and isinstance(t.value, ast.Name) and t.value.id == "self"}
     assert assigned == set(args), name
+
+
+@pytest.mark.parametrize("env", [{"SITS_NATIVE": "0"}, {}])
+def test_doctor_says_whether_the_hot_path_runs_compiled(env: dict[str, str]) -> None:
+    code = ("import json, dataclasses\n"
+            "from sits_trace.agent.doctor import _native\n"
+            "print(json.dumps(dataclasses.asdict(_native())))")
+    base = {k: v for k, v in os.environ.items() if k != "SITS_NATIVE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**base, **env}, timeout=60, check=True)
+    row = json.loads(r.stdout)
+    assert row["name"] == "compiled hot path" and not row["core"]
+    if env:
+        assert not row["ok"] and row["detail"] == "pure Python: SITS_NATIVE=0"
+        assert row["fix"] == "unset SITS_NATIVE to run the build"
+    else:
+        assert row["ok"] == native.check().compiled
+        assert row["ok"] or "make setup" in row["fix"]
