@@ -98,6 +98,9 @@ def check(base: Path = BASE) -> Status:
         return Status(False, f"no readable build record ({manifest.name})", tuple(built))
     if stamp != _stamp():
         return Status(False, f"built for another interpreter ({stamp})", tuple(built))
+    if set(sources) != set(MODULES):  # a module added to the set, or one left out of it since
+        return Status(False, "built for another set of modules",
+                      tuple(sorted(set(built) | (set(sources) - set(MODULES)))))
 
     def fresh(m: str) -> bool:
         try:
@@ -112,11 +115,14 @@ def check(base: Path = BASE) -> Status:
 
 
 class _FromSource(importlib.abc.MetaPathFinder):
-    """Imports each module of MODULES from its .py file."""
+    """Imports each module of `names` from its .py file."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in MODULES:
+        if fullname not in self.names:
             return None
         return importlib.util.spec_from_file_location(fullname, source_of(fullname))
 
@@ -133,11 +139,12 @@ def guard() -> Status:
     if os.environ.get(ENV, "") == "0":
         st = Status(False, f"{ENV}=0", st.stale)
     elif not st.compiled and st.stale:
-        names = ", ".join(str(source_of(m).relative_to(BASE)) for m in st.stale[:3])
-        print(f"sits-trace: the compiled hot path is out of date ({st.reason}: {names}); "
+        which = ", ".join(str(source_of(m).relative_to(BASE)) for m in st.stale[:3])
+        print(f"sits-trace: the compiled hot path is out of date ({st.reason}: {which}); "
               "running it as Python until `make setup` rebuilds it", file=sys.stderr)
-    if not st.compiled and any(_ext_paths(m) for m in MODULES):
-        sys.meta_path.insert(0, _FromSource())
+    names = set(MODULES) | set(st.stale)  # a module the set no longer lists may be built too
+    if not st.compiled and any(_ext_paths(m) for m in names):
+        sys.meta_path.insert(0, _FromSource(names))
     _status = st
     return st
 

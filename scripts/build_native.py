@@ -18,7 +18,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 os.environ["SITS_NATIVE"] = "0"  # this process imports the sources, never an old build
 REPO = Path(__file__).resolve().parents[1]
@@ -27,13 +29,36 @@ from sits_trace.agent import native  # noqa: E402
 
 
 def remove_build() -> None:
-    (native.BASE / native.MANIFEST).unlink(missing_ok=True)
-    for m in native.MODULES:
+    """The extensions of the modules listed now and of those the last build compiled."""
+    manifest = native.BASE / native.MANIFEST
+    try:
+        before = set(json.loads(manifest.read_text())["sources"])
+    except (OSError, ValueError, KeyError, TypeError):
+        before = set()
+    manifest.unlink(missing_ok=True)
+    for m in set(native.MODULES) | before:
         for p in native._ext_paths(m):
             p.unlink()
     group = native.source_of(native.GROUP)
     for p in group.parent.glob(group.stem + "__mypyc.*"):
         p.unlink()
+
+
+@contextlib.contextmanager
+def _fds_to(f: IO[str]) -> Iterator[None]:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        f.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
 
 
 def build(log: Path) -> str | None:
@@ -57,7 +82,8 @@ def build(log: Path) -> str | None:
         paths = ["sits_trace/" + str(native.source_of(m).relative_to(native.BASE))
                  for m in native.MODULES]
         cwd = Path.cwd()
-        with log.open("w") as out, contextlib.redirect_stdout(out), \
+        # the compiler writes to file descriptors 1 and 2, not sys.stdout: all of it to the log
+        with log.open("w") as out, _fds_to(out), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(out):
             try:
                 os.chdir(work)

@@ -74,6 +74,23 @@ def test_extensions_without_a_true_record_are_not_used(tmp_path: Path, record: s
     assert set(st.stale) == set(native.MODULES)
 
 
+def test_a_build_of_another_module_set_is_not_used(tmp_path: Path) -> None:
+    """A module since left out of the set may still have its extension on disk: it is
+    named stale, so the guard imports it from source too."""
+    root = _tree(tmp_path)
+    manifest = root / native.MANIFEST
+    rec = json.loads(manifest.read_text())
+    rec["sources"]["sits_trace.analyzers.live"] = "0" * 64
+    manifest.write_text(json.dumps(rec))
+    st = native.check(root)
+    assert not st.compiled and "another set of modules" in st.reason
+    assert "sits_trace.analyzers.live" in st.stale
+    del rec["sources"]["sits_trace.analyzers.live"]
+    del rec["sources"]["sits_trace.agent.model"]
+    manifest.write_text(json.dumps(rec))
+    assert not native.check(root).compiled
+
+
 def test_no_build_is_pure_python_and_not_stale(tmp_path: Path) -> None:
     st = native.check(_tree(tmp_path, built=False, record=False))
     assert not st.compiled and st.stale == () and "not built" in st.reason
