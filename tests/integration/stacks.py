@@ -589,6 +589,23 @@ def spans_by_rid(tracer: Tracer, rids: list[str], per_rid: int, timeout: float =
     return index()
 
 
+def _losses(tracer: Tracer) -> dict[str, Any]:
+    """The agent's counters that say whether it lost or dropped anything (for a failure's
+    message: a span missing after a ring overflow is not a parser bug)."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}{k}.", x)
+        elif isinstance(v, int) and v and any(w in prefix for w in (
+                "lost", "resync", "malformed", "internal", "orphan", "shed", "gap")):
+            flat[prefix.rstrip(".")] = v
+
+    walk("", tracer.counters(settle_s=6.0))
+    return flat
+
+
 def check_spans(tracer: Tracer, server: Server, calls: list[Call],
                 client_spans: bool = True) -> None:
     """Each call: one SERVER span from the process that logged it, matching its row; one
@@ -617,6 +634,6 @@ def check_spans(tracer: Tracer, server: Server, calls: list[Call],
             v.expect(c.rid, f"CLIENT spans ({c.client})", errs, [(None, "UNSET")])
     wrong = sorted({b.split(":")[0] for b in v.bad})
     assert not v.bad, (f"{server.name}: {len(wrong)} of {len(calls)} calls wrong "
-                       f"({len(v.bad)} findings): {v.bad[:8]}")
+                       f"({len(v.bad)} findings): {v.bad[:8]}; agent: {_losses(tracer)}")
     assert len(declared) <= len(calls) // 500, (
         f"{server.name}: {len(declared)} of {len(calls)} spans lost records: {declared[:8]}")
