@@ -109,6 +109,15 @@ class _JsonPrinter:
         if len(self._held) >= self.MAX_HELD:
             self.flush()
 
+    def many(self, spans: list[Span]) -> None:
+        """A tracer's batch (agent/sinks.py): its lines, written out every MAX_HELD."""
+        held = self._held
+        for s in spans:
+            held.append(s.json_bytes())
+            if len(held) >= self.MAX_HELD:
+                self.flush()
+                held = self._held
+
     def flush(self) -> None:
         if not self._held:
             return
@@ -236,7 +245,7 @@ def run(
     from .surface import operator_surface  # noqa: PLC0415 - the API only for `run`
 
     view = _live_view(cfg)  # what `sits-trace top` reads over the API socket
-    agent = Agent(cfg, view.tee(exporters.export_span))
+    agent = Agent(cfg, view.tee(exporters.sink))
     stop, reload = threading.Event(), threading.Event()
     _install_stop(stop, reload)
     try:
@@ -300,7 +309,7 @@ def _reload(config: Path | None, agent: Any, old: Any,
         cfg.export = agent.cfg.export
         new = build_exporters(agent.cfg)
     new.attach_agent(agent)
-    agent.set_sink(tee(new.export_span))  # the live view keeps its spans
+    agent.set_sink(tee(new.sink))  # the live view keeps its spans
     agent.set_cpu_budget(cfg.trace.cpu_budget)
     agent.cfg.export = cfg.export
     typer.echo("sits-trace: configuration reloaded", err=True)

@@ -42,6 +42,7 @@ from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.base import Signal
 from sits_trace.agent.signals.gpu import GpuSignalConfig, GpuSignals, cuda_options
 from sits_trace.agent.signals.node import NodeSignalConfig, NodeSignals
+from sits_trace.agent.sinks import BatchSink, deliver
 from sits_trace.agent.tracing.pipeline import Rescans, SpanSink, Tracer
 from sits_trace.agent.tracing.procfs import ProcFS
 from sits_trace.agent.tracing.redact import QueryRedactor
@@ -146,7 +147,12 @@ class Agent:
             sink(span)
             add(span)
 
-        return both
+        def many(spans: list[Span]) -> None:
+            deliver(sink, spans)
+            for span in spans:
+                add(span)
+
+        return BatchSink(both, many)
 
     def _target_pids(self) -> list[int]:
         pids: list[int] = []

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from sits_trace.agent.model import Row, Span
+from sits_trace.agent.sinks import BatchSink, tee
 
 SpanSink = Callable[[Span], None]
 OTHER_ROUTE = "_other"
@@ -87,26 +88,39 @@ class LiveView:
     # ---- the sink side ----
 
     def add(self, span: Span) -> None:
-        key = route_key(span, self.service_name)
+        row = self._row(span)
+        with self._lock:
+            self._record(*row)
+
+    def add_many(self, spans: list[Span]) -> None:
+        """`add` for a tracer's batch of spans, under one lock."""
+        rows = [self._row(span) for span in spans]
+        with self._lock:
+            for row in rows:
+                self._record(*row)
+
+    def _row(self, span: Span) -> tuple[RouteKey, _Sample, int, float, object]:
         dur = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
         ttft = span.attributes.get("sits.gen_ai.time_to_first_token_ms",
                                    span.attributes.get("sits.time_to_first_chunk_ms"))
         sample = _Sample(span.end_time_unix_nano, dur, is_error(span),
                          float(ttft) if isinstance(ttft, (int, float)) else math.nan, span)
-        sec = span.end_time_unix_nano // 1_000_000_000
-        w = _weight(span)
-        pid = span.attributes.get("process.pid")
-        with self._lock:
-            self.spans_seen += 1
-            r = self._route(key)
-            r.samples.append(sample)
-            if r.seconds and r.seconds[-1][0] == sec:
-                r.seconds[-1][1] += w
-                r.seconds[-1][2] += w * sample.error
-            elif not r.seconds or r.seconds[-1][0] < sec:
-                r.seconds.append([float(sec), w, w * sample.error])
-            if isinstance(pid, int):
-                r.pids.add(pid)
+        return (route_key(span, self.service_name), sample,
+                span.end_time_unix_nano // 1_000_000_000, _weight(span),
+                span.attributes.get("process.pid"))
+
+    def _record(self, key: RouteKey, sample: _Sample, sec: int, w: float, pid: object) -> None:
+        """One span's numbers into its route; the caller holds the lock."""
+        self.spans_seen += 1
+        r = self._route(key)
+        r.samples.append(sample)
+        if r.seconds and r.seconds[-1][0] == sec:
+            r.seconds[-1][1] += w
+            r.seconds[-1][2] += w * sample.error
+        elif not r.seconds or r.seconds[-1][0] < sec:
+            r.seconds.append([float(sec), w, w * sample.error])
+        if isinstance(pid, int):
+            r.pids.add(pid)
 
     def _route(self, key: RouteKey) -> _Route:
         r = self._routes.get(key)
@@ -120,12 +134,9 @@ class LiveView:
                 self._routes[key] = r
         return r
 
-    def tee(self, sink: SpanSink) -> SpanSink:
-        """A sink that feeds this view, then `sink`."""
-        def both(span: Span) -> None:
-            self.add(span)
-            sink(span)
-        return both
+    def tee(self, sink: SpanSink) -> BatchSink:
+        """A sink that feeds this view, then `sink` (a span, or a tracer's batch of them)."""
+        return tee(self.add, self.add_many, sink)
 
     # ---- the reader side ----
 

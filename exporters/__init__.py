@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from sits_trace.agent.config import Config
 from sits_trace.agent.model import AgentStats, Span
+from sits_trace.agent.sinks import BatchSink
 
 from ._base import Exporter, ExporterStats
 from ._settings import otlp_settings
@@ -39,13 +40,21 @@ class ExporterSet:
         self.agent: _HasStats | None = None
 
     def export_span(self, span: Span) -> None:
-        one = (span,)
+        self.export_spans((span,))
+
+    def export_spans(self, spans: Sequence[Span]) -> None:
+        """A batch to every exporter (each takes it in one call: one lock, one queue extend)."""
         for e in self.exporters:
             try:
-                e.export(one)
+                e.export(spans)
             except Exception:
                 self.errors += 1
                 log.debug("exporter %s raised", e.name, exc_info=True)
+
+    @property
+    def sink(self) -> BatchSink:
+        """The tracer's sink: a span, or a batch of them (agent/sinks.py)."""
+        return BatchSink(self.export_span, self.export_spans)
 
     def exporter_stats(self) -> list[ExporterStats]:
         out = []

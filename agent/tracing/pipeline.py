@@ -33,6 +33,9 @@ from .spans import SpanBuilder
 _DATA_KIND = int(Kind.DATA).to_bytes(4, "little")
 
 SpanSink = Callable[[Span], None]
+# a sink may also take a whole batch: an attribute `many` (a list of spans, in order) that
+# the tracer calls once per batch of records instead of calling the sink once per span
+SpanBatchSink = Callable[[list[Span]], None]
 # adds attributes to a span from other signals (TCP, CPU, GPU) before it leaves the tracer
 Annotator = Callable[[Exchange, Span], None]
 # takes raw records of a kind this module does not decode (tcp.c, sched.c, cuda.c records)
@@ -115,6 +118,7 @@ class Tracer:
         # called after each poll and after close_all, once the spans they made were given
         # to the sink (e.g. a printer writing out the lines it held: one write per batch)
         self.poll_observers: list[Callable[[], None]] = []
+        self._batch: list[Span] | None = None  # spans of the batch process() is parsing
 
     # ---- driving ----
 
@@ -136,6 +140,35 @@ class Tracer:
             self.stats.capture_shift, self.stats.exchanges_shed = self._shedding()
 
     def process(self, records: Iterable[bytes]) -> None:
+        """Records in; the spans they complete go to the sink together, once the batch is
+        parsed (its `many` if it has one: one call per batch, not per span)."""
+        batch: list[Span] = []
+        self._batch = batch
+        try:
+            self._process(records)
+        finally:
+            self._batch = None
+            if batch:
+                self._deliver(batch)
+
+    def _deliver(self, spans: list[Span]) -> None:
+        """Never raises: a sink that does is counted (parser.internal_errors), as the parser
+        counts an emit callback that raised, and the spans after it still go out."""
+        sink = self.sink
+        many: SpanBatchSink | None = getattr(sink, "many", None)
+        if many is not None:
+            try:
+                many(spans)
+            except Exception:  # noqa: BLE001 - a sink's bug must not stop the pipeline
+                self.stats.parser.internal_errors += 1
+            return
+        for span in spans:
+            try:
+                sink(span)
+            except Exception:  # noqa: BLE001
+                self.stats.parser.internal_errors += 1
+
+    def _process(self, records: Iterable[bytes]) -> None:
         for begin in self.batch_observers:
             begin()
         handlers = self.handlers
@@ -381,7 +414,11 @@ class Tracer:
         for annotate in self.annotators:
             annotate(ex, span)
         self.stats.spans += 1
-        self.sink(span)
+        batch = self._batch
+        if batch is not None:
+            batch.append(span)  # delivered at the end of process()
+        else:
+            self.sink(span)  # sweep() and close_all(): outside a batch
 
     # ---- connections open before the agent ----
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sits_trace.agent.model import MetricSample, Span
+from sits_trace.agent.sinks import BatchSink, tee
 
 from .actuators import ActuatorError, CgroupCpuActuator, find_cpu_hierarchy
 from .api import ApiError, ControlServer
@@ -85,15 +86,10 @@ class AgentControl:
             server = ControlServer(board, Path(opts.socket_path), opts.socket_group)
         return cls(loop, server, pushed)
 
-    def tee(self, sink: Callable[[Span], None]) -> Callable[[Span], None]:
-        """A sink that gives each span to the loop, then to `sink`."""
-        observe = self.loop.observe_span
-
-        def both(span: Span) -> None:
-            observe(span)
-            sink(span)
-
-        return both
+    def tee(self, sink: Callable[[Span], None]) -> BatchSink:
+        """A sink that gives each span, or a tracer's batch of them, to the loop, then to
+        `sink`."""
+        return tee(self.loop.observe_span, self.loop.observe_spans, sink)
 
     def start(self) -> None:
         if self.server is not None:

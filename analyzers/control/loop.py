@@ -91,6 +91,18 @@ class LatencyTable:
             if pid is not None:
                 self._pids.setdefault(service, set()).add(pid)
 
+    def add_many(self, rows: list[tuple[str, float, int | None]]) -> None:
+        """(service, ms, pid) rows under one lock: a tracer's batch of spans."""
+        with self._lock:
+            ms, pids = self._ms, self._pids
+            for service, v, pid in rows:
+                col = ms.get(service)
+                if col is None:
+                    col = ms[service] = []
+                col.append(v)
+                if pid is not None:
+                    pids.setdefault(service, set()).add(pid)
+
     def take(self, service: str) -> list[float]:
         with self._lock:
             return self._ms.pop(service, [])
@@ -157,6 +169,19 @@ class ControlLoop:
         ms = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
         pid = span.attributes.get("process.pid")
         self.latency.add(span_service(span), ms, pid if isinstance(pid, int) else None)
+
+    def observe_spans(self, spans: list[Span]) -> None:
+        """`observe_span` for a batch, under one lock of the latency table."""
+        rows: list[tuple[str, float, int | None]] = []
+        for span in spans:
+            if span.kind != "SERVER":
+                continue
+            pid = span.attributes.get("process.pid")
+            rows.append((span_service(span),
+                         (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6,
+                         pid if isinstance(pid, int) else None))
+        if rows:
+            self.latency.add_many(rows)
 
     def observe_latency(self, service: str, ms: float) -> None:
         self.latency.add(service, ms)

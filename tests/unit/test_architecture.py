@@ -1,7 +1,7 @@
 """The import rule of docs/architecture.md, checked on the source (ast, no import executed).
 
 Stages, in pipeline order:
-  0 plain data and settings   agent/model.py, agent/clock.py, agent/config.py
+  0 plain data and settings   agent/model.py, agent/clock.py, agent/config.py, agent/sinks.py
   1 capture                   agent/capture/
   2 tracing                   agent/tracing/
   3 signals                   agent/signals/
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("agent", "analyzers", "exporters")
 STAGE_OF_PREFIX = (  # most specific first
     ("sits_trace.agent.model", 0), ("sits_trace.agent.clock", 0), ("sits_trace.agent.config", 0),
-    ("sits_trace.agent.native", 0),
+    ("sits_trace.agent.native", 0), ("sits_trace.agent.sinks", 0),
     ("sits_trace.agent.capture", 1), ("sits_trace.agent.tracing", 2),
     ("sits_trace.agent.signals", 3), ("sits_trace.analyzers", 4), ("sits_trace.exporters", 5),
     ("sits_trace.agent.cli", 6), ("sits_trace.agent.daemon", 6), ("sits_trace.agent.doctor", 6),
