@@ -39,6 +39,7 @@ SCHED_TRACEPOINTS: tuple[Tracepoint, ...] = (
     Tracepoint("sched", "sched_wakeup_new", "sched", False),
     Tracepoint("sched", "sched_switch", "sched", False),
 )
+_INGRESS = Direction.INGRESS
 _WRAP = 1 << 32  # EV_DATA.runq_us is the low 32 bits of the counter in microseconds
 
 
@@ -134,7 +135,7 @@ class SchedSignals:
         """Tracer data observer: keep the thread's runq snapshot at this read/write."""
         if not ev.conn_id:
             return  # TLS plaintext of an unknown socket: no stable key here
-        table = self._reads if ev.direction == Direction.INGRESS else self._writes
+        table = self._reads if ev.direction == _INGRESS else self._writes
         q = table.get(ev.conn_id)
         if q is None:
             q = table[ev.conn_id] = collections.deque(maxlen=self._per_conn)
@@ -154,22 +155,34 @@ class SchedSignals:
                 continue
             while q and q[0][0] < start:
                 q.popleft()
-            obs.extend(o for o in q if o[0] <= end)
+            for o in q:  # a loop, not a generator: this runs for every span
+                if o[0] <= end:
+                    obs.append(o)
         if len(obs) > 1:
             obs.sort()
         return obs
 
     def annotate(self, ex: Exchange, span: Span) -> None:
         """Tracer annotator: the sits.cpu.* attributes (see the module docstring)."""
-        cid = ex.conn.conn_id
         start = ex.request.start_ns
         end = ex.response.end_ns if ex.response is not None else ex.request.end_ns
-        win = self._take_window(cid, start, end)
+        win = self._take_window(ex.conn.conn_id, start, end)
         if not win:
             return
         tid = win[0][1]
-        if all(o[1] == tid for o in win):  # one thread did the span's I/O (the common case)
-            delay = runq_between([(o[0], o[2]) for o in win])
+        one = True
+        for o in win:
+            if o[1] != tid:
+                one = False
+                break
+        if one:  # one thread did the span's I/O (the common case)
+            delay = 0
+            last = win[0][2]
+            for o in win:
+                d = (o[2] - last) % _WRAP
+                if d < _WRAP // 2:
+                    delay += d
+                last = o[2]
             threads = 1
         else:
             per_tid: dict[int, list[tuple[int, int]]] = {}
@@ -179,9 +192,10 @@ class SchedSignals:
             threads = len(per_tid)
         exact = (threads == 1 and ex.response is not None
                  and win[0][0] == start and win[-1][0] == end)
-        span.attributes["sits.cpu.runq_delay_us"] = delay
-        span.attributes["sits.cpu.runq_threads"] = threads
-        span.attributes["sits.cpu.runq_delay_exact"] = exact
+        attrs = span.attributes
+        attrs["sits.cpu.runq_delay_us"] = delay
+        attrs["sits.cpu.runq_threads"] = threads
+        attrs["sits.cpu.runq_delay_exact"] = exact
 
     # ---- per-second numbers ----
 

@@ -98,6 +98,9 @@ class TcpTuple:
         return cls(format_addr16(bytes(k.laddr)), k.lport, format_addr16(bytes(k.raddr)), k.rport)
 
 
+_RETRANS = (TcpEventType.RETRANS, TcpEventType.SYNACK_RETRANS)
+
+
 @functools.lru_cache(maxsize=16384)
 def _tuple_key(t: TcpTuple) -> bytes:
     """Map keys are built per span (twice: both directions): addresses parse once."""
@@ -187,7 +190,7 @@ class TcpSignals:
         # a connection's tcp_conns entry read once per batch of records: every span of a
         # batch ended before the batch was read, so a later lookup in the same batch would
         # give it no truer value (keep-alive: one lookup per connection, not per span)
-        self._batch_stats: dict[bytes, TcpConnStats | None] = {}
+        self._batch_stats: dict[int | bytes, TcpConnStats | None] = {}
         self.decode_errors = 0
 
     # ---- records ----
@@ -271,8 +274,10 @@ class TcpSignals:
         """Tracer batch observer: the next spans come from records read after this."""
         self._batch_stats.clear()
 
-    def _stats_in_batch(self, conn: TcpTuple) -> TcpConnStats | None:
-        key = conn.key()
+    def _stats_in_batch(self, conn: TcpTuple, conn_id: int = 0) -> TcpConnStats | None:
+        """The connection's tcp_conns entry, read once a batch (keyed by the tracer's
+        connection id where there is one: no map key built per span)."""
+        key: int | bytes = conn_id if conn_id else conn.key()
         try:
             return self._batch_stats[key]
         except KeyError:
@@ -281,20 +286,28 @@ class TcpSignals:
 
     def annotate(self, ex: Exchange, span: Span) -> None:
         """Tracer annotator: the sits.tcp.* attributes (see the module docstring)."""
-        t = self.resolve(ex.conn)
+        conn = ex.conn
+        cid = conn.conn_id
+        t = self._resolved.get(cid) if cid else None
         if t is None:
-            return
-        end = ex.response.end_ns if ex.response is not None else ex.request.end_ns
-        window = self.events_between(t, ex.request.start_ns, end)
-        retrans = (TcpEventType.RETRANS, TcpEventType.SYNACK_RETRANS)
-        span.attributes["sits.tcp.retransmits"] = sum(e.type in retrans for e in window)
-        st = self._stats_in_batch(t)
+            t = self.resolve(conn)
+            if t is None:
+                return
+        retransmits = 0
+        if self._events:  # retransmits and resets seen lately: any inside this span?
+            end = ex.response.end_ns if ex.response is not None else ex.request.end_ns
+            for e in self.events_between(t, ex.request.start_ns, end):
+                if e.type in _RETRANS:
+                    retransmits += 1
+        attrs = span.attributes
+        attrs["sits.tcp.retransmits"] = retransmits
+        st = self._stats_in_batch(t, cid)
         if st is None:
             return
-        span.attributes["sits.tcp.conn.retransmits"] = st.retransmits
-        span.attributes["sits.tcp.resets"] = st.resets_in + st.resets_out
+        attrs["sits.tcp.conn.retransmits"] = st.retransmits
+        attrs["sits.tcp.resets"] = st.resets_in + st.resets_out
         if st.srtt_us:
-            span.attributes["sits.tcp.srtt_us"] = st.srtt_us
+            attrs["sits.tcp.srtt_us"] = st.srtt_us
 
     # ---- per-second numbers ----
 

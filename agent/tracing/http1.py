@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
 
 from sits_trace.agent.model import (
     Chunk,
@@ -950,16 +949,20 @@ def _field(line: str) -> tuple[str, str] | None:
 def _fields(lines: list[str], max_headers: int) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """Header fields after the start line (names lower-cased, values stripped, secrets
     redacted), cut to max_headers, and a lookup dict over all of them."""
-    rest = lines[1:]
-    fields: list[Any] = list(map(_FIELD_CACHE.get, rest))  # (name, value), None if not seen
-    i = 0
-    for _ in range(fields.count(None)):
-        i = fields.index(None, i)
-        fields[i] = _field(rest[i])
-        if fields[i] is None:  # a line without a colon: obs-fold or junk
-            fields = _fields_slow(lines)
-            break
-    d = dict(fields)
+    fields: list[tuple[str, str]] = []
+    d: dict[str, str] = {}
+    cache = _FIELD_CACHE
+    for i in range(1, len(lines)):  # one pass: cached lines are a dict lookup each
+        line = lines[i]
+        f = cache.get(line)
+        if f is None:
+            f = _field(line)
+            if f is None:  # a line without a colon: obs-fold or junk
+                fields = _fields_slow(lines)
+                d = dict(fields)
+                break
+        fields.append(f)
+        d[f[0]] = f[1]
     if not REDACTED_HEADERS.isdisjoint(d):
         fields = [(k, REDACTED) if k in REDACTED_HEADERS else (k, v) for k, v in fields]
     n = len(fields)
@@ -1126,8 +1129,8 @@ MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/a
 
 
 def is_model_route(target: str) -> bool:
-    path = target.split("?", 1)[0]
-    return path.endswith(MODEL_ROUTES)
+    q = target.find("?")  # not split(): a list and a string per call, twice a span
+    return (target if q < 0 else target[:q]).endswith(MODEL_ROUTES)
 
 
 # an OpenAI-style chat stream's first event, sent before any token: the assistant's role

@@ -35,6 +35,7 @@ KNOWN_METHODS = frozenset(
 )
 REQUEST_ID_SALT = b"sits-trace/x-request-id/"
 _HEX = frozenset("0123456789abcdef")
+_CLIENT = Role.CLIENT
 _NS_PER_MS = 1_000_000.0
 
 
@@ -107,7 +108,7 @@ class SpanBuilder:
 
     def build(self, ex: Exchange) -> Span:
         req, resp, conn = ex.request, ex.response, ex.conn
-        client = conn.role == Role.CLIENT
+        client = conn.role == _CLIENT  # a module constant: no lookup on the enum class
         trace_id, parent = self._identity(req)
         method = req.method if req.method in KNOWN_METHODS else "_OTHER"
         path, query = _split_target(req.target)
