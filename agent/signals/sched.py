@@ -159,7 +159,12 @@ class SchedSignals:
                 if o[0] <= end:
                     obs.append(o)
         if len(obs) > 1:
-            obs.sort()
+            prev = -1
+            for o in obs:  # usually in time order already (a read, then a write)
+                if o[0] <= prev:
+                    obs.sort()
+                    break
+                prev = o[0]
         return obs
 
     def annotate(self, ex: Exchange, span: Span) -> None:

@@ -220,6 +220,12 @@ def test_a_spans_run_queue_delay_is_its_own_exchanges_on_a_keep_alive_connection
         sig.on_data(DataEvent(1, tid, 9, 3, 0, ts - 10, ts, 10, Direction(d), Source.SYSCALL,
                               Role.SERVER, b"", runq_us=rq))
     assert delay(2000, 2300) == (5 + 30, False)
+    # one thread, reads and writes interleaved in time (a body read after the first write):
+    # the window is put in time order before the waits are summed
+    for ts, d, rq in ((3000, 0, 200), (3100, 1, 210), (3150, 0, 230), (3300, 1, 260)):
+        sig.on_data(DataEvent(1, 7, 9, 3, 0, ts - 10, ts, 10, Direction(d), Source.SYSCALL,
+                              Role.SERVER, b"", runq_us=rq))
+    assert delay(3000, 3300) == (60, True)
 
 
 def test_a_connections_tcp_stats_are_read_once_per_batch_of_records() -> None:
