@@ -64,7 +64,7 @@ def _measure(port: int, pids: list[int], rate: int, seconds: int) -> str:
         agent = subprocess.Popen(args, stdout=f, stderr=subprocess.PIPE, text=True)
         assert agent.stderr is not None
         for line in agent.stderr:
-            if "tracing" in line:
+            if line.startswith("sits-trace: tracing;"):  # not a path in a warning
                 break
         n = rate * seconds
         subprocess.run(["hey", "-n", str(n), "-c", "10", "-q", str(rate // 10),

@@ -111,7 +111,7 @@ class Agent:
         threading.Thread(target=self._out, daemon=True).start()
         threading.Thread(target=self._errs, daemon=True).start()
         deadline = time.monotonic() + 90
-        while not any("tracing" in x for x in self.err):
+        while not any(x.startswith("sits-trace: tracing;") for x in self.err):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("tracer did not start: " + "".join(self.err))
             time.sleep(0.05)

@@ -126,7 +126,7 @@ def start_agent(mode: str, pid: int) -> subprocess.Popen[str]:
                          stderr=subprocess.PIPE, text=True, env=env)
     assert p.stderr is not None
     for line in p.stderr:
-        if "tracing" in line:
+        if line.startswith("sits-trace: tracing;"):  # not a path in a warning
             return p
     raise SystemExit("bench: agent did not start")
 

@@ -172,7 +172,7 @@ def point(label: str, servers: int, conns_per: int, path: str, rate: float,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             assert agent.stderr is not None
             for line in agent.stderr:
-                if "tracing" in line:
+                if line.startswith("sits-trace: tracing;"):  # not a path in a warning
                     break
             else:
                 raise SystemExit("bench: agent did not start")

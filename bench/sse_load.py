@@ -110,7 +110,7 @@ def start_agent(py: str, pid: int, env: dict[str, str] | None = None) -> subproc
                          stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     assert p.stderr is not None
     for line in p.stderr:
-        if "tracing" in line:
+        if line.startswith("sits-trace: tracing;"):  # not a path in a warning
             return p
     raise SystemExit("bench: agent did not start")
 

@@ -65,7 +65,7 @@ def main() -> None:
         try:
             assert daemon.stderr is not None
             for line in daemon.stderr:
-                if "agent running" in line:
+                if line.startswith("sits-trace: agent running"):
                     break
             else:
                 raise SystemExit("bench: the daemon did not start")

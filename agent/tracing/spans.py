@@ -116,9 +116,9 @@ class SpanBuilder:
             query = self._redactor.query(query)
         route = self._routes.match(path) if self._routes is not None and path else None
         attrs = _request_attributes(req, method, path, query, route)
-        attrs.update(_connection_attributes(conn, req, client))
+        _add_connection_attributes(attrs, conn, req, client)  # into the one dict: no merges
         if resp is not None:
-            attrs.update(_response_attributes(req, resp))
+            _add_response_attributes(attrs, req, resp)
         if path and is_model_route(path):
             attrs.update(genai_attributes(path, req, resp))
         error = _error_type(ex, client)
@@ -222,8 +222,9 @@ def _request_attributes(
     return attrs
 
 
-def _connection_attributes(conn: ConnInfo, req: RequestHead, client: bool) -> dict[str, AttrValue]:
-    attrs: dict[str, AttrValue] = {"url.scheme": "https" if conn.tls else "http"}
+def _add_connection_attributes(attrs: dict[str, AttrValue], conn: ConnInfo, req: RequestHead,
+                               client: bool) -> None:
+    attrs["url.scheme"] = "https" if conn.tls else "http"
     if client:
         fallback = (conn.peer_address, conn.peer_port)
     else:
@@ -246,14 +247,12 @@ def _connection_attributes(conn: ConnInfo, req: RequestHead, client: bool) -> di
     if conn.comm:
         attrs["process.executable.name"] = conn.comm
     attrs["tls"] = conn.tls
-    return attrs
 
 
-def _response_attributes(req: RequestHead, resp: ResponseHead) -> dict[str, AttrValue]:
-    attrs: dict[str, AttrValue] = {
-        "http.response.status_code": resp.status,
-        "sits.ttfb_ms": _ms(resp.first_byte_ns - req.start_ns),
-    }
+def _add_response_attributes(attrs: dict[str, AttrValue], req: RequestHead,
+                             resp: ResponseHead) -> None:
+    attrs["http.response.status_code"] = resp.status
+    attrs["sits.ttfb_ms"] = _ms(resp.first_byte_ns - req.start_ns)
     if resp.body_bytes:
         attrs["http.response.body.size"] = resp.body_bytes
     if resp.streamed:
@@ -262,7 +261,6 @@ def _response_attributes(req: RequestHead, resp: ResponseHead) -> dict[str, Attr
         if resp.last_body_ns is not None:
             attrs["sits.time_to_last_chunk_ms"] = _ms(resp.last_body_ns - req.start_ns)
         attrs["sits.stream.chunks"] = resp.body_chunks
-    return attrs
 
 
 def _error_type(ex: Exchange, client: bool) -> str | None:
@@ -304,11 +302,23 @@ def _split_target(target: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+# Host header values seen -> (host, port): a server sees few, and every span parses one
+_HOSTS: dict[str, tuple[str, int | None]] = {}
+_HOSTS_MAX = 1024
+
+
 def _server_endpoint(req: RequestHead, fallback: tuple[str, int]) -> tuple[str, int]:
     """server.address/port from the Host header, else from the connection."""
     host_header = req.header("host")
     if host_header:
-        host, port = split_host_port(strip_userinfo(host_header))
+        hp = _HOSTS.get(host_header)
+        if hp is None:
+            hp = split_host_port(strip_userinfo(host_header))
+            if "@" not in host_header:  # a value with userinfo is not kept, even in memory
+                if len(_HOSTS) >= _HOSTS_MAX:
+                    _HOSTS.clear()
+                _HOSTS[host_header] = hp
+        host, port = hp
         if host:
             return host, port if port is not None else fallback[1]
     return fallback

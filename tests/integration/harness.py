@@ -88,7 +88,7 @@ class Tracer:
     def _wait_ready(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any("tracing" in line for line in self.stderr_lines):
+            if any(line.startswith("sits-trace: tracing;") for line in self.stderr_lines):
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError("tracer exited: " + "".join(self.stderr_lines))
@@ -154,7 +154,7 @@ class SitsRun:
         self.err: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + 90
-        while not any("agent running" in x for x in self.err):
+        while not any(x.startswith("sits-trace: agent running") for x in self.err):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("sits-trace run did not start: " + "".join(self.err))

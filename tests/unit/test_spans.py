@@ -222,8 +222,22 @@ def test_unknown_method_is_other() -> None:
     ("api:notaport", ("api", 8000)),
 ])
 def test_server_address_from_host(host: str, want: tuple[str, int]) -> None:
-    a = builder().build(exchange(headers=[("host", host)])).attributes
+    b = builder()
+    a = b.build(exchange(headers=[("host", host)])).attributes
     assert (a["server.address"], a["server.port"]) == want
+    again = b.build(exchange(headers=[("host", host)])).attributes  # the parsed value, kept
+    assert (again["server.address"], again["server.port"]) == want
+    if want[1] == 8000:  # no port in the header: the connection's, not the first span's
+        client = b.build(exchange(headers=[("host", host)], role=Role.CLIENT)).attributes
+        assert client["server.port"] == 40404
+
+
+def test_a_host_header_with_userinfo_is_not_kept() -> None:
+    from sits_trace.agent.tracing import spans
+
+    a = builder().build(exchange(headers=[("host", "user:pw@api.example.com:81")])).attributes
+    assert (a["server.address"], a["server.port"]) == ("api.example.com", 81)
+    assert not any("pw" in k for k in spans._HOSTS)
 
 
 def test_server_address_falls_back_to_the_connection() -> None:
