@@ -13,7 +13,8 @@ Span attributes (TcpSignals.annotate):
                              moment the span is finished
   sits.tcp.resets            RSTs sent or received on the connection since it opened
   sits.tcp.srtt_us           the connection's smoothed RTT, when a segment arrived since it
-                             opened (tcp_probe)
+                             opened (tcp_probe), as read at most one second before (the
+                             counters above are read again after every retransmit or reset)
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class TcpSignals:
 
     def __init__(self, maps: MapAccess, *, monotonic_ns: Callable[[], int] = time.monotonic_ns,
                  timewait_s: int = TCP_TIMEWAIT_LEN_S, max_conns: int = 4096,
-                 events_per_conn: int = 64) -> None:
+                 events_per_conn: int = 64, stats_max_age_ns: int = 1_000_000_000) -> None:
         self.maps = maps
         self._now = monotonic_ns
         self._tw_ns = timewait_s * 1_000_000_000
@@ -187,10 +188,14 @@ class TcpSignals:
         self._last_totals = self._totals()
         self._last_life = self._lifetimes()
         self._tw: dict[tuple[str, int], _TwHistory] = {}
-        # a connection's tcp_conns entry read once per batch of records: every span of a
-        # batch ended before the batch was read, so a later lookup in the same batch would
-        # give it no truer value (keep-alive: one lookup per connection, not per span)
+        # a connection's tcp_conns entry, read once and kept until a TCP event record
+        # arrives (its retransmit and reset counters only move with one: tcp.c sends a
+        # record each time) or for at most stats_max_age_ns (srtt). A lookup per span was a
+        # bpf(2) call and a ctypes decode: a quarter of the agent's CPU when each batch of
+        # records had one span per connection (1,000 connections: bench/flame.py --perf)
         self._batch_stats: dict[int | bytes, TcpConnStats | None] = {}
+        self._stats_read_ns = self._now()
+        self.stats_max_age_ns = stats_max_age_ns
         self.decode_errors = 0
 
     # ---- records ----
@@ -202,6 +207,7 @@ class TcpSignals:
         except DecodeError:
             self.decode_errors += 1
             return
+        self._batch_stats.clear()  # a counter of tcp_conns moved: read the entries again
         key = ev.conn.key()
         q = self._events.get(key)
         if q is None:
@@ -271,12 +277,17 @@ class TcpSignals:
         return TcpConnStats.from_bytes(raw) if raw is not None else None
 
     def new_batch(self) -> None:
-        """Tracer batch observer: the next spans come from records read after this."""
-        self._batch_stats.clear()
+        """Tracer batch observer: the next spans come from records read after this. The
+        connections' entries are read again once they are stats_max_age_ns old (and after
+        any TCP event record: on_record)."""
+        now = self._now()
+        if now - self._stats_read_ns >= self.stats_max_age_ns:
+            self._batch_stats.clear()
+            self._stats_read_ns = now
 
     def _stats_in_batch(self, conn: TcpTuple, conn_id: int = 0) -> TcpConnStats | None:
-        """The connection's tcp_conns entry, read once a batch (keyed by the tracer's
-        connection id where there is one: no map key built per span)."""
+        """The connection's tcp_conns entry as last read (see new_batch; keyed by the
+        tracer's connection id where there is one: no map key built per span)."""
         key: int | bytes = conn_id if conn_id else conn.key()
         try:
             return self._batch_stats[key]

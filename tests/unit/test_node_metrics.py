@@ -228,10 +228,12 @@ def test_a_spans_run_queue_delay_is_its_own_exchanges_on_a_keep_alive_connection
     assert delay(3000, 3300) == (60, True)
 
 
-def test_a_connections_tcp_stats_are_read_once_per_batch_of_records() -> None:
-    """TcpSignals reads a connection's tcp_conns entry once per batch the tracer processes
-    (every span of a batch ended before it was read) and again in the next batch."""
-    from sits_trace.agent.capture.wire import TcpConnC, TcpPeerKeyC
+def test_a_connections_tcp_stats_are_read_once_until_an_event_or_a_second_passes() -> None:
+    """TcpSignals reads a connection's tcp_conns entry once and keeps it across batches of
+    records until a TCP event record arrives (the counters only move with one) or the
+    entry is stats_max_age_ns old (srtt); then it reads it again."""
+    from sits_trace.agent.capture.events import Kind
+    from sits_trace.agent.capture.wire import TcpConnC, TcpEventC, TcpEventType, TcpPeerKeyC
     from sits_trace.agent.model import ConnInfo, Exchange, RequestHead, ResponseHead, Role, Span
     from sits_trace.agent.signals.tcp import TcpTuple, addr16
 
@@ -254,23 +256,30 @@ def test_a_connections_tcp_stats_are_read_once_per_batch_of_records() -> None:
         return real(name, key)
 
     maps.lookup = counted  # type: ignore[method-assign]
-    sig = TcpSignals(maps)
+    now = [0]
+    sig = TcpSignals(maps, monotonic_ns=lambda: now[0])
     info = ConnInfo(conn_id=9, pid=1, fd=3, role=Role.SERVER, peer_address="10.0.0.9",
                     peer_port=51000, local_address="10.0.0.1", local_port=8080)
 
-    def attrs() -> dict[str, object]:
+    def attrs() -> tuple[object, object]:
         ex = Exchange(info, RequestHead("GET", "/", "1.1", [], 100, 100),
                       ResponseHead(200, "1.1", [], 200, 300))
         span = Span("0" * 32, "0" * 16, None, "GET /", "SERVER", 0, 0)
         sig.annotate(ex, span)
-        return span.attributes
+        return span.attributes["sits.tcp.srtt_us"], span.attributes["sits.tcp.conn.retransmits"]
 
     sig.new_batch()
-    assert attrs()["sits.tcp.srtt_us"] == 80
+    assert attrs() == (80, 0)
     maps.maps["tcp_conns"][t.key()] = entry(2, 90)
-    assert attrs()["sits.tcp.srtt_us"] == 80  # same batch: read once
-    assert lookups.count("tcp_conns") == 1
+    assert attrs() == (80, 0)  # same batch: read once
+    now[0] += 500_000_000
     sig.new_batch()
-    a = attrs()
-    assert (a["sits.tcp.srtt_us"], a["sits.tcp.conn.retransmits"]) == (90, 2)
-    assert lookups.count("tcp_conns") == 2
+    assert attrs() == (80, 0) and lookups.count("tcp_conns") == 1  # kept: no event, 0.5 s
+    ev = TcpEventC(kind=int(Kind.TCP_EVENT), ts_ns=150, type=int(TcpEventType.RETRANS))
+    ev.key = type(ev.key).from_buffer_copy(t.key())
+    sig.on_record(bytes(ev))  # a retransmit: the counters moved, the entry is read again
+    assert attrs() == (90, 2) and lookups.count("tcp_conns") == 2
+    maps.maps["tcp_conns"][t.key()] = entry(2, 95)
+    now[0] += 1_000_000_000
+    sig.new_batch()
+    assert attrs() == (95, 2) and lookups.count("tcp_conns") == 3  # a second old: read again
