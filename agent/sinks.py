@@ -11,7 +11,7 @@ was a measurable part of the agent's CPU (docs/performance.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from sits_trace.agent.model import Span
 
@@ -40,14 +40,6 @@ def deliver(sink: SpanSink, spans: list[Span]) -> None:
         return
     for span in spans:
         sink(span)
-
-
-def each(one: SpanSink) -> SpansSink:
-    """The batch form of a one-span consumer that has none of its own."""
-    def many(spans: Iterable[Span]) -> None:
-        for span in spans:
-            one(span)
-    return many
 
 
 def tee(first: SpanSink, first_many: SpansSink, then: SpanSink) -> BatchSink:

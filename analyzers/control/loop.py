@@ -164,14 +164,10 @@ class ControlLoop:
     # -- inputs ----------------------------------------------------------------------------
 
     def observe_span(self, span: Span) -> None:
-        if span.kind != "SERVER":
-            return
-        ms = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
-        pid = span.attributes.get("process.pid")
-        self.latency.add(span_service(span), ms, pid if isinstance(pid, int) else None)
+        self.observe_spans([span])
 
     def observe_spans(self, spans: list[Span]) -> None:
-        """`observe_span` for a batch, under one lock of the latency table."""
+        """The latency of each SERVER span into the table: a tracer's batch under one lock."""
         rows: list[tuple[str, float, int | None]] = []
         for span in spans:
             if span.kind != "SERVER":

@@ -13,7 +13,7 @@ from sits_trace.agent.capture.events import Kind
 from sits_trace.agent.config import Config, ControlConfig
 from sits_trace.agent.daemon import Agent
 from sits_trace.agent.model import Span
-from sits_trace.agent.sinks import BatchSink, deliver, each, tee
+from sits_trace.agent.sinks import BatchSink, deliver, tee
 from sits_trace.agent.tracing.pipeline import Tracer
 from sits_trace.agent.tracing.procfs import ProcFS
 from sits_trace.agent.tracing.spans import SpanBuilder
@@ -111,8 +111,10 @@ def test_a_raising_sink_is_counted_and_the_pipeline_goes_on(tmp_path: Path) -> N
 def test_tee_and_deliver_keep_the_order_of_consumers_and_spans() -> None:
     log: list[tuple[str, str]] = []
     spans = [sample_span(i) for i in range(3)]
-    first = each(lambda s: log.append(("first", rid(s))))
-    sink = tee(lambda s: log.append(("first", rid(s))), first,
+    def first_many(batch: list[Span]) -> None:
+        log.extend(("first", rid(s)) for s in batch)
+
+    sink = tee(lambda s: log.append(("first", rid(s))), first_many,
                lambda s: log.append(("then", rid(s))))
     deliver(sink, spans)  # `then` has no batch form: one by one, after `first` took the batch
     assert log == [("first", "req-0"), ("first", "req-1"), ("first", "req-2"),
