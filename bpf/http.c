@@ -622,6 +622,15 @@ static __always_inline void emit_proc(int kind)
     ev.tgid = id >> 32;
     ev.ts_ns = bpf_ktime_get_ns();
     bpf_get_current_comm(&ev.comm, sizeof(ev.comm));
+    if (kind == EV_PROC_EXEC && traced_tgid(ev.tgid)) {
+        /* the reader is woken now, not at its next interval (trace.poll_ms): the agent
+         * looks for OpenSSL in the new program, whose first connections can come within
+         * ~100 ms of the exec (node listens that soon); execs are rare enough to wake for */
+        count_seen(kind);
+        if (events.ringbuf_output(&ev, sizeof(ev), BPF_RB_FORCE_WAKEUP) < 0)
+            count_lost(kind);
+        return;
+    }
     submit(&ev, sizeof(ev), kind);
 }
 
