@@ -102,17 +102,17 @@ def one_run(python: str, config: str | None, a: argparse.Namespace,
         if receiver is not None:
             cmd = [sits, "run", "--config",
                    _service_config(Path(d), nginx.pid, receiver.url, config)]
-            ready = "sits-trace: agent running"
+            ready = overhead.RUN_READY
         else:
             cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
             cmd += ["--config", config] if config else []
-            ready = "sits-trace: tracing;"
+            ready = overhead.TRACE_READY
         agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  text=True, env={**os.environ, **(env or {})})
         try:
             assert agent.stderr is not None
             for line in agent.stderr:
-                if line.startswith(ready):  # not a path in a warning
+                if line.startswith(ready):
                     break
             wrk = subprocess.Popen(["wrk", "-t1", f"-c{a.connections}", f"-d{a.seconds + 3}s",
                                     "-s", str(pace), f"http://127.0.0.1:{port}/"],

@@ -58,7 +58,7 @@ def main() -> int:
         try:
             assert agent.stderr is not None
             for line in agent.stderr:
-                if line.startswith("sits-trace: tracing;"):  # not a path in a warning
+                if line.startswith(overhead.TRACE_READY):
                     break
             wrk = subprocess.Popen(["wrk", "-t1", f"-c{a.connections}", f"-d{a.seconds + 4}s",
                                     "-s", str(pace), f"http://127.0.0.1:{port}/"],

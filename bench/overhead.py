@@ -33,6 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SITS = str(Path(sys.executable).parent / "sits-trace")
+# the agent's own ready lines: matched at a line's start, since a warning before them may
+# name agent/tracing/... (the stale compiled build's) or say "running"
+TRACE_READY = "sits-trace: tracing;"
+RUN_READY = "sits-trace: agent running"
 
 
 def free_port() -> int:
@@ -126,7 +130,7 @@ def start_agent(mode: str, pid: int) -> subprocess.Popen[str]:
                          stderr=subprocess.PIPE, text=True, env=env)
     assert p.stderr is not None
     for line in p.stderr:
-        if line.startswith("sits-trace: tracing;"):  # not a path in a warning
+        if line.startswith(TRACE_READY):
             return p
     raise SystemExit("bench: agent did not start")
 

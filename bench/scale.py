@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import SITS, cpu_seconds, free_port
+from overhead import SITS, TRACE_READY, cpu_seconds, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 IDLE_S = 3.0
@@ -172,7 +172,7 @@ def point(label: str, servers: int, conns_per: int, path: str, rate: float,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             assert agent.stderr is not None
             for line in agent.stderr:
-                if line.startswith("sits-trace: tracing;"):  # not a path in a warning
+                if line.startswith(TRACE_READY):
                     break
             else:
                 raise SystemExit("bench: agent did not start")

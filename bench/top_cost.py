@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import free_port, start_nginx
+from overhead import RUN_READY, free_port, start_nginx
 
 SITS = str(Path(sys.executable).parent / "sits-trace")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -65,7 +65,7 @@ def main() -> None:
         try:
             assert daemon.stderr is not None
             for line in daemon.stderr:
-                if line.startswith("sits-trace: agent running"):
+                if line.startswith(RUN_READY):
                     break
             else:
                 raise SystemExit("bench: the daemon did not start")

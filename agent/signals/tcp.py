@@ -193,7 +193,7 @@ class TcpSignals:
         # record each time) or for at most stats_max_age_ns (srtt). A lookup per span was a
         # bpf(2) call and a ctypes decode: a quarter of the agent's CPU when each batch of
         # records had one span per connection (1,000 connections: bench/flame.py --perf)
-        self._batch_stats: dict[int | bytes, TcpConnStats | None] = {}
+        self._conn_stats: dict[int | bytes, TcpConnStats | None] = {}
         self._stats_read_ns = self._now()
         self.stats_max_age_ns = stats_max_age_ns
         self.decode_errors = 0
@@ -207,7 +207,7 @@ class TcpSignals:
         except DecodeError:
             self.decode_errors += 1
             return
-        self._batch_stats.clear()  # a counter of tcp_conns moved: read the entries again
+        self._conn_stats.clear()  # a counter of tcp_conns moved: read the entries again
         key = ev.conn.key()
         q = self._events.get(key)
         if q is None:
@@ -282,17 +282,17 @@ class TcpSignals:
         any TCP event record: on_record)."""
         now = self._now()
         if now - self._stats_read_ns >= self.stats_max_age_ns:
-            self._batch_stats.clear()
+            self._conn_stats.clear()
             self._stats_read_ns = now
 
-    def _stats_in_batch(self, conn: TcpTuple, conn_id: int = 0) -> TcpConnStats | None:
+    def _stats_cached(self, conn: TcpTuple, conn_id: int = 0) -> TcpConnStats | None:
         """The connection's tcp_conns entry as last read (see new_batch; keyed by the
         tracer's connection id where there is one: no map key built per span)."""
         key: int | bytes = conn_id if conn_id else conn.key()
         try:
-            return self._batch_stats[key]
+            return self._conn_stats[key]
         except KeyError:
-            st = self._batch_stats[key] = self.conn_stats(conn)
+            st = self._conn_stats[key] = self.conn_stats(conn)
             return st
 
     def annotate(self, ex: Exchange, span: Span) -> None:
@@ -312,7 +312,7 @@ class TcpSignals:
                     retransmits += 1
         attrs = span.attributes
         attrs["sits.tcp.retransmits"] = retransmits
-        st = self._stats_in_batch(t, cid)
+        st = self._stats_cached(t, cid)
         if st is None:
             return
         attrs["sits.tcp.conn.retransmits"] = st.retransmits

@@ -25,6 +25,7 @@ from sits_trace.agent.capture.events import (
 )
 from sits_trace.agent.capture.loader import EventSource
 from sits_trace.agent.model import Chunk, ConnInfo, Direction, Exchange, Role, Span, StreamChunk
+from sits_trace.agent.sinks import SpansSink
 
 from .http1 import HttpConnParser, ParserStats
 from .procfs import ProcFS
@@ -32,10 +33,7 @@ from .spans import SpanBuilder
 
 _DATA_KIND = int(Kind.DATA).to_bytes(4, "little")
 
-SpanSink = Callable[[Span], None]
-# a sink may also take a whole batch: an attribute `many` (a list of spans, in order) that
-# the tracer calls once per batch of records instead of calling the sink once per span
-SpanBatchSink = Callable[[list[Span]], None]
+SpanSink = Callable[[Span], None]  # one that also has `many` takes a batch (agent/sinks.py)
 # adds attributes to a span from other signals (TCP, CPU, GPU) before it leaves the tracer
 Annotator = Callable[[Exchange, Span], None]
 # takes raw records of a kind this module does not decode (tcp.c, sched.c, cuda.c records)
@@ -155,7 +153,7 @@ class Tracer:
         """Never raises: a sink that does is counted (parser.internal_errors), as the parser
         counts an emit callback that raised, and the spans after it still go out."""
         sink = self.sink
-        many: SpanBatchSink | None = getattr(sink, "many", None)
+        many: SpansSink | None = getattr(sink, "many", None)
         if many is not None:
             try:
                 many(spans)

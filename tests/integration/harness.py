@@ -20,6 +20,10 @@ from typing import Any, TypeVar
 
 VENV_BIN = Path(sys.executable).parent
 SITS = str(VENV_BIN / "sits-trace")
+# the agent's own ready lines: matched at a line's start, since a warning before them may
+# name agent/tracing/... (the stale compiled build's) or say "running"
+TRACE_READY = "sits-trace: tracing;"
+RUN_READY = "sits-trace: agent running"
 
 
 def free_port() -> int:
@@ -88,7 +92,7 @@ class Tracer:
     def _wait_ready(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any(line.startswith("sits-trace: tracing;") for line in self.stderr_lines):
+            if any(line.startswith(TRACE_READY) for line in self.stderr_lines):
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError("tracer exited: " + "".join(self.stderr_lines))
@@ -154,7 +158,7 @@ class SitsRun:
         self.err: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + 90
-        while not any(x.startswith("sits-trace: agent running") for x in self.err):
+        while not any(x.startswith(RUN_READY) for x in self.err):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("sits-trace run did not start: " + "".join(self.err))

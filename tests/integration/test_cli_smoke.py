@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import SITS, curl, python_server
+from .harness import RUN_READY, SITS, TRACE_READY, curl, python_server
 
 pytestmark = pytest.mark.bpf
 
@@ -29,7 +29,7 @@ def test_trace_stops_on_sigint_with_stats() -> None:
     assert p.stderr is not None
     deadline = time.monotonic() + 60
     for line in p.stderr:
-        if line.startswith("sits-trace: tracing;") or time.monotonic() > deadline:
+        if line.startswith(TRACE_READY) or time.monotonic() > deadline:
             break
     p.send_signal(signal.SIGINT)
     _out, err = p.communicate(timeout=30)
@@ -45,7 +45,7 @@ def test_run_flushes_pending_spans_on_sigterm(tmp_path: Path) -> None:
         p = subprocess.Popen([SITS, "run", "--config", str(cfg)], stderr=subprocess.PIPE, text=True)
         assert p.stderr is not None
         for line in p.stderr:
-            if line.startswith("sits-trace: agent running"):
+            if line.startswith(RUN_READY):
                 break
         curl(f"http://127.0.0.1:{port}/flush-me", rid="run-smoke")
         time.sleep(0.2)
