@@ -45,7 +45,7 @@ class _Sample(NamedTuple):
 
 @dataclass(slots=True)
 class _Route:
-    samples: collections.deque[_Sample]
+    spans: collections.deque[Span]  # the newest, for percentiles and the slowest
     # per-second (second, weighted requests, weighted errors), newest last
     seconds: collections.deque[list[float]]
     pids: set[int] = field(default_factory=set)
@@ -58,6 +58,13 @@ def route_key(span: Span, service_name: str = "") -> RouteKey:
     return RouteKey(service, str(route), span.kind, int(a.get("server.port", 0) or 0))
 
 
+def _raw_key(span: Span) -> tuple[object, ...]:
+    """What route_key is computed from, as the span has it (no string made)."""
+    get = span.attributes.get
+    return (get("http.route"), get("url.path"), get("process.executable.name"),
+            span.kind, get("server.port"))
+
+
 def is_error(span: Span) -> bool:
     return bool(span.status_code == "ERROR")
 
@@ -66,6 +73,14 @@ def _weight(span: Span) -> float:
     """How many exchanges this span stands for (the kernel sheds load by sampling)."""
     p = span.attributes.get("sampling.probability")
     return 1.0 / float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0 else 1.0
+
+
+def _sample(span: Span) -> _Sample:
+    ttft = span.attributes.get("sits.gen_ai.time_to_first_token_ms",
+                               span.attributes.get("sits.time_to_first_chunk_ms"))
+    return _Sample(span.end_time_unix_nano,
+                   (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6, is_error(span),
+                   float(ttft) if isinstance(ttft, (int, float)) else math.nan, span)
 
 
 class LiveView:
@@ -80,46 +95,50 @@ class LiveView:
         self.service_name = service_name
         self._clock = clock_ns
         self._routes: dict[RouteKey, _Route] = {}
+        # a span's raw route fields -> its route: route_key's strings made once per distinct
+        # fields, not per span; bounded (paths with query strings can be all different)
+        self._by_raw: dict[tuple[object, ...], _Route] = {}
         self._lock = threading.Lock()
         self.spans_seen = 0
         self.verdicts: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         self.actions: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
 
-    # ---- the sink side ----
+    # ---- the sink side: per span a route lookup, an append and a counter; the numbers
+    # (durations, percentiles) are worked out when someone reads ----
 
     def add(self, span: Span) -> None:
-        row = self._row(span)
         with self._lock:
-            self._record(*row)
+            self._add(span)
 
     def add_many(self, spans: list[Span]) -> None:
         """`add` for a tracer's batch of spans, under one lock."""
-        rows = [self._row(span) for span in spans]
         with self._lock:
-            for row in rows:
-                self._record(*row)
+            for span in spans:
+                self._add(span)
 
-    def _row(self, span: Span) -> tuple[RouteKey, _Sample, int, float, object]:
-        dur = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
-        ttft = span.attributes.get("sits.gen_ai.time_to_first_token_ms",
-                                   span.attributes.get("sits.time_to_first_chunk_ms"))
-        sample = _Sample(span.end_time_unix_nano, dur, is_error(span),
-                         float(ttft) if isinstance(ttft, (int, float)) else math.nan, span)
-        return (route_key(span, self.service_name), sample,
-                span.end_time_unix_nano // 1_000_000_000, _weight(span),
-                span.attributes.get("process.pid"))
-
-    def _record(self, key: RouteKey, sample: _Sample, sec: int, w: float, pid: object) -> None:
-        """One span's numbers into its route; the caller holds the lock."""
+    def _add(self, span: Span) -> None:
+        """One span into its route; the caller holds the lock."""
         self.spans_seen += 1
-        r = self._route(key)
-        r.samples.append(sample)
-        if r.seconds and r.seconds[-1][0] == sec:
-            r.seconds[-1][1] += w
-            r.seconds[-1][2] += w * sample.error
-        elif not r.seconds or r.seconds[-1][0] < sec:
-            r.seconds.append([float(sec), w, w * sample.error])
-        if isinstance(pid, int):
+        raw = _raw_key(span)
+        r = self._by_raw.get(raw)
+        if r is None:
+            r = self._route(route_key(span, self.service_name))
+            if len(self._by_raw) >= 4 * self.max_routes:
+                self._by_raw.clear()
+            self._by_raw[raw] = r
+        r.spans.append(span)
+        sec = span.end_time_unix_nano // 1_000_000_000
+        w = 1.0 if "sampling.probability" not in span.attributes else _weight(span)
+        err = w if span.status_code == "ERROR" else 0.0
+        seconds = r.seconds
+        if seconds and seconds[-1][0] == sec:
+            last = seconds[-1]
+            last[1] += w
+            last[2] += err
+        elif not seconds or seconds[-1][0] < sec:
+            seconds.append([float(sec), w, err])
+        pid = span.attributes.get("process.pid")
+        if type(pid) is int:
             r.pids.add(pid)
 
     def _route(self, key: RouteKey) -> _Route:
@@ -145,9 +164,10 @@ class LiveView:
         answer for a view that refreshes every second)."""
         now = self._clock() if now_ns is None else now_ns
         with self._lock:
-            copies = [(k, list(r.samples), [list(s) for s in r.seconds], sorted(r.pids))
+            copies = [(k, list(r.spans), [list(s) for s in r.seconds], sorted(r.pids))
                       for k, r in self._routes.items()]
-        return [self._route_view(k, s, secs, pids, now, slowest) for k, s, secs, pids in copies]
+        return [self._route_view(k, [_sample(sp) for sp in spans], secs, pids, now, slowest)
+                for k, spans, secs, pids in copies]
 
     def _route_view(self, key: RouteKey, samples: list[_Sample], seconds: list[list[float]],
                     pids: list[int], now: int, slowest: bool) -> dict[str, Any]:

@@ -71,6 +71,23 @@ def test_routes_are_bounded() -> None:
     assert next(r for r in v.routes() if r["route"] == OTHER_ROUTE)["count"] == 7
 
 
+def test_spans_of_one_route_meet_whatever_their_query_strings_and_the_lookup_is_bounded() -> None:
+    """The view finds a span's route from its raw fields and keeps that lookup; paths that
+    differ only after '?' are one route, and a flood of distinct ones neither adds routes
+    nor grows the lookup past its bound."""
+    v = view(max_routes=3)
+    for i in range(1000):
+        s = span("/a", 1.0, pid=7 + i % 2)
+        s.attributes["url.path"] = f"/a?id={i}"
+        v.add(s)
+    v.add_many([span("/b", 2.0), span("/a", 3.0, status=503)])
+    routes = {r["route"]: r for r in v.routes()}
+    assert set(routes) == {"/a", "/b"}
+    assert routes["/a"]["count"] == 1001 and routes["/a"]["pids"] == [7, 8]
+    assert routes["/a"]["error_rate"] == 1 / 1001 and routes["/b"]["count"] == 1
+    assert len(v._by_raw) <= 4 * 3
+
+
 def test_snapshot_is_json_and_carries_slowest_attributes() -> None:
     v = view()
     v.add(span("/a", 5.0, trace="0af7651916cd43dd8448eb211c80319c"))
