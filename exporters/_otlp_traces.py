@@ -28,7 +28,7 @@ import struct
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from sits_trace.agent.model import AttrValue, Span
@@ -109,35 +109,82 @@ class KeyValueCache:
     """The encoded Span.attributes field of each (key, value) seen before, written once and
     reused: most of a span's attributes repeat from span to span (method, route, server
     address, status, user agent), and writing a KeyValue was most of the encoder's time
-    (bench/span_cost.py). Floats (durations) and strings over `max_len` are never cached;
-    the cache empties itself when it holds `limit` entries, so values seen once (request
-    ids, body sizes) cost a dict entry for a while and no more."""
+    (bench/span_cost.py). Looked up by key, then by value, in a table per value type (True,
+    1 and 1.0 are equal keys of one dict, and must not share an encoding), so a hit costs two
+    dict lookups and no object. Floats (durations) and strings over `max_len` are never
+    cached, only their key's bytes are; the cache empties itself when it holds `limit`
+    values, so values seen once (request ids, body sizes) cost a dict entry for a while and
+    no more."""
 
-    __slots__ = ("_kv", "_limit", "_max_len")
+    __slots__ = ("_bool", "_int", "_keys", "_limit", "_max_len", "_n", "_str")
 
     def __init__(self, limit: int = 4096, max_len: int = 256) -> None:
-        self._kv: dict[object, bytes] = {}
+        self._str: dict[str, dict[str, bytes]] = {}
+        self._int: dict[str, dict[int, bytes]] = {}
+        self._bool: dict[str, dict[bool, bytes]] = {}
+        self._keys: dict[str, bytes] = {}  # a key's KeyValue.key field
+        self._n = 0  # values held in the three tables
         self._limit = limit
         self._max_len = max_len
 
+    def __len__(self) -> int:
+        return self._n
+
+    def values(self) -> list[tuple[str, AttrValue]]:
+        """What is held, as (key, value) pairs (tests)."""
+        return [(k, v) for t in (self._str, self._int, self._bool)
+                for k, d in t.items() for v in d]
+
     def __call__(self, attrs: Mapping[str, AttrValue], skip: frozenset[str]) -> list[bytes]:
-        kv = self._kv
         out = []
         for k, v in attrs.items():
             if k in skip:
                 continue
             cls = v.__class__
-            # the class is in the key: True, 1 and 1.0 are equal keys of a dict
-            key = (k, cls, v)
-            m = kv.get(key)
-            if m is None:
-                m = key_value(k, v, b"\x4a")
-                if cls is not float and (cls is not str or len(v) <= self._max_len):  # type: ignore[arg-type]
-                    if len(kv) >= self._limit:
-                        kv.clear()
-                    kv[key] = m
+            if cls is str:
+                sv = cast(str, v)
+                d = self._str.get(k)
+                m = d.get(sv) if d is not None else None
+                if m is None:
+                    m = self._miss(k, sv, self._str, len(sv) <= self._max_len)
+            elif cls is int:
+                iv = cast(int, v)
+                d2 = self._int.get(k)
+                m = d2.get(iv) if d2 is not None else None
+                if m is None:
+                    m = self._miss(k, iv, self._int, True)
+            elif cls is bool:
+                bv = cast(bool, v)
+                d3 = self._bool.get(k)
+                m = d3.get(bv) if d3 is not None else None
+                if m is None:
+                    m = self._miss(k, bv, self._bool, True)
+            else:  # a float, or a subclass of str or int: written each time
+                m = self._miss(k, v, None, False)
             out.append(m)
         return out
+
+    def _miss(self, k: str, v: AttrValue, table: Any, keep: bool) -> bytes:
+        key = self._keys.get(k)
+        if key is None:
+            key = _field(b"\x0a", _utf8(k)) if k else b""
+            if len(self._keys) >= self._limit:
+                self._keys.clear()
+            if self._limit > 0:
+                self._keys[k] = key
+        m = _field(b"\x4a", key + _field(b"\x12", _any_value(v)))
+        if keep and table is not None and self._limit > 0:
+            if self._n >= self._limit:
+                self._str.clear()
+                self._int.clear()
+                self._bool.clear()
+                self._n = 0
+            d = table.get(k)
+            if d is None:
+                d = table[k] = {}
+            d[v] = m
+            self._n += 1
+        return m
 
 
 def _id(text: str | None, digits: int) -> bytes:
@@ -184,13 +231,22 @@ def encode(batch: Iterable[Span], resource_of: ResourceOf,
     written without building a message per span (a third of the time: bench/span_cost.py)."""
     groups: dict[tuple[tuple[str, AttrValue], ...], list[bytes]] = {}
     attrs_of: dict[tuple[tuple[str, AttrValue], ...], Mapping[str, AttrValue]] = {}
+    # a resource_of that returns one cached mapping per process (the exporter's does) is
+    # sorted into its group once per batch, not once per span; each mapping seen is kept
+    # alive to the end, so no other object can take its id meanwhile
+    by_id: dict[int, list[bytes]] = {}
+    seen: list[Mapping[str, AttrValue]] = []
     for s in batch:
         attrs = resource_of(s)
-        key = tuple(sorted(attrs.items()))
-        group = groups.get(key)
+        group = by_id.get(id(attrs))
         if group is None:
-            group = groups[key] = []
-            attrs_of[key] = attrs
+            key = tuple(sorted(attrs.items()))
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = []
+                attrs_of[key] = attrs
+            by_id[id(attrs)] = group
+            seen.append(attrs)
         group.append(_field(b"\x12", span_bytes(s, kvs)))
     out = []
     for key, spans in groups.items():

@@ -61,8 +61,24 @@ class ResourceResolver:
         self._host = hostname if hostname is not None else socket.gethostname()
         self._max = max_entries
         self._cache: OrderedDict[tuple[int, str], dict[str, AttrValue]] = OrderedDict()
+        # the common case first: a span's pid as the tracer wrote it (an int) and its
+        # executable's name, as last resolved (every span of a batch asks)
+        self._by_pid: dict[int, tuple[AttrValue | None, dict[str, AttrValue]]] = {}
 
     def attributes(self, span: Span) -> dict[str, AttrValue]:
+        raw = span.attributes.get("process.pid")
+        if type(raw) is int:
+            seen = self._by_pid.get(raw)
+            if seen is not None and seen[0] == span.attributes.get("process.executable.name"):
+                return seen[1]
+        attrs = self._resolve(span)
+        if type(raw) is int:
+            if len(self._by_pid) >= self._max:
+                self._by_pid.clear()
+            self._by_pid[raw] = (span.attributes.get("process.executable.name"), attrs)
+        return attrs
+
+    def _resolve(self, span: Span) -> dict[str, AttrValue]:
         pid = _as_int(span.attributes.get("process.pid"))
         exe = str(span.attributes.get("process.executable.name", ""))
         key = (pid, exe)

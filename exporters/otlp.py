@@ -63,10 +63,7 @@ class _Resources:
     """A span's resource attributes (service, process, host, container)."""
 
     def __init__(self, resolver: ResourceResolver) -> None:
-        self._resolver = resolver
-
-    def attributes(self, span: Span) -> Mapping[str, AttrValue]:
-        return self._resolver.attributes(span)
+        self.attributes: Callable[[Span], Mapping[str, AttrValue]] = resolver.attributes
 
 
 class _Metrics:

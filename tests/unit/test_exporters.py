@@ -52,6 +52,11 @@ def test_resource_resolver_reads_proc_once_per_process(tmp_path: Path) -> None:
     cg.unlink()
     assert rr.attributes(make_span(1))["container.id"] == "b" * 64  # cached
     assert "container.id" not in rr.attributes(make_span(2, pid=31337))  # no /proc entry
+    # the same pid after an exec: another executable, another resource (not the last one's)
+    execd = make_span(3)
+    execd.attributes["process.executable.name"] = "python3"
+    assert rr.attributes(execd)["service.name"] == "python3"
+    assert rr.attributes(make_span(4))["service.name"] == "uvicorn"
     assert ResourceResolver(service_name="svc", hostname="x").attributes(
         make_span(0))["service.name"] == "svc"
 

@@ -499,8 +499,10 @@ def test_the_encoders_cache_of_attribute_values_changes_nothing_it_encodes() -> 
     assert [f.WhichOneof("value") for f in flags] == [
         "bool_value", "int_value", "double_value", "bool_value", "int_value", "int_value",
         "bool_value"]
-    assert not any(cls is float or (cls is str and len(v) > 256)
-                   for (_k, cls, v) in cache._kv)
+    held = cache.values()
+    assert held and not any(isinstance(v, float) or (isinstance(v, str) and len(v) > 256)
+                            for _k, v in held)
+    assert len(held) == len(cache)
     for i in range(1000):
         encode([make_span(i)], res, cache)
-        assert len(cache._kv) <= 64
+        assert len(cache) <= 64 and len(cache.values()) == len(cache)
