@@ -5,7 +5,8 @@
 
 nginx (`return 200`) under wrk with each of `--connections` pacing `--paced-ms` between
 requests (20 x 2 ms: about 10k requests/s asked); the agent (`--python`'s checkout, default
-this one) runs `trace --json --pid <nginx> --cpu-budget 0` and py-spy records it for
+this one) runs `trace --json --pid <nginx> --cpu-budget 0` (`--otlp`: as the service, `run`,
+exporting every span over OTLP/HTTP, as bench/agent_cpu.py --otlp) and py-spy records it for
 `--seconds` (an --out ending in .txt gets collapsed stacks instead of an SVG; `--native` for
 the compiled hot path's frames). Prints the spans/s it traced and its CPU per span. Needs py-spy (PyPI) in the venv.
 
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import agent_cpu  # the sibling bench: its OTLP receiver and service config
 import overhead  # the sibling bench: nginx and wrk helpers
 
 
@@ -41,6 +43,9 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--perf", action="store_true",
                     help="perf with DWARF stacks: a table by compiled function (see above)")
+    ap.add_argument("--otlp", action="store_true",
+                    help="the agent as the service (`run`), every span over OTLP/HTTP to a "
+                         "receiver here, as bench/agent_cpu.py --otlp")
     ap.add_argument("--native", action="store_true",
                     help="C frames too: the compiled hot path's functions (agent/native.py) show "
                          "only so; py-spy then stops the agent at each sample")
@@ -52,13 +57,20 @@ def main() -> int:
         pace = Path(d) / "pace.lua"
         pace.write_text(f"function delay() return {a.paced_ms} end\n")
         nginx = overhead.start_nginx(Path(d), port, 1)
-        agent = subprocess.Popen([sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget",
-                                  "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        if a.otlp:
+            receiver = agent_cpu.Receiver()
+            cmd = [sits, "run", "--config",
+                   agent_cpu._service_config(Path(d), nginx.pid, receiver.url, None)]
+            ready = overhead.RUN_READY
+        else:
+            cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
+            ready = overhead.TRACE_READY
+        agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  text=True)
         try:
             assert agent.stderr is not None
             for line in agent.stderr:
-                if line.startswith(overhead.TRACE_READY):
+                if line.startswith(ready):
                     break
             wrk = subprocess.Popen(["wrk", "-t1", f"-c{a.connections}", f"-d{a.seconds + 4}s",
                                     "-s", str(pace), f"http://127.0.0.1:{port}/"],
