@@ -87,6 +87,8 @@ class GpuSignals:
         self.cuda = cuda
         self.probes = probes
         self.sampler = sampler
+        self._tracer: Tracer | None = None
+        self._armed = False
 
     @classmethod
     def from_kernel(cls, kernel: Kernel | None, cfg: GpuSignalConfig, *, nvml: Any = None,
@@ -112,7 +114,18 @@ class GpuSignals:
     def install(self, tracer: Tracer) -> None:
         if self.cuda is not None:
             tracer.handlers.update(self.cuda.handlers())
-        tracer.annotators.append(self.annotate)
+        self._tracer = tracer
+        self._arm()
+
+    def _arm(self) -> None:
+        """The annotator joins the tracer once it has something to read (a GPU sampled, or
+        some libcuda probed): a node without GPUs pays nothing per span."""
+        if self._armed or self._tracer is None:
+            return
+        if self.sampler is None and self._live_cuda() is None:
+            return
+        self._tracer.annotators.append(self.annotate)
+        self._armed = True
 
     def providers(self) -> dict[str, Provider]:
         """None: the feature frame reads the NVML sampler and CUDA totals directly (per GPU)."""
@@ -121,6 +134,7 @@ class GpuSignals:
     def check_process(self, pid: int) -> None:
         if self.probes is not None:
             self.probes.check_process(pid)
+            self._arm()  # a libcuda found after exec: the CUDA attributes start now
 
     def forget(self, pid: int) -> None:
         if self.cuda is not None:

@@ -216,8 +216,11 @@ def test_no_slot_map_read_until_a_libcuda_is_probed() -> None:
     maps.slots = counted  # type: ignore[method-assign]
     now = [100 << SHIFT]
     sig = CudaSignals(maps, slot_shift=SHIFT, monotonic_ns=lambda: now[0])
-    probes = SimpleNamespace(libraries=[])
+    probes = SimpleNamespace(libraries=[], check_process=lambda pid: None)
     gpu = GpuSignals(sig, probes, None)  # type: ignore[arg-type]
+    tracer = SimpleNamespace(handlers={}, annotators=[])
+    gpu.install(tracer)  # type: ignore[arg-type]
+    assert tracer.annotators == []  # nothing to read: no annotator, no cost per span
     ex = Exchange(ConnInfo(1, 7, 5, Role.SERVER), RequestHead("GET", "/", "1.1", [], 1, 2),
                   ResponseHead(200, "1.1", [], 3, now[0]))
     span = Span("0" * 32, "0" * 16, None, "GET", "SERVER", 0, 1)
@@ -225,6 +228,9 @@ def test_no_slot_map_read_until_a_libcuda_is_probed() -> None:
     gpu.annotate(ex, span)
     assert reads == [] and "sits.cuda.kernel_launches" not in span.attributes
     probes.libraries.append("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+    gpu.check_process(7)  # a process that exec'd and maps libcuda: the annotator joins, once
+    gpu.check_process(7)
+    assert tracer.annotators == [gpu.annotate]
     _put_slot(maps, 7, 99, 3, 99 << SHIFT, (99 << SHIFT) + 10)
     gpu.poll()
     assert reads == [1]

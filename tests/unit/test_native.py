@@ -80,12 +80,12 @@ def test_a_build_of_another_module_set_is_not_used(tmp_path: Path) -> None:
     root = _tree(tmp_path)
     manifest = root / native.MANIFEST
     rec = json.loads(manifest.read_text())
-    rec["sources"]["sits_trace.analyzers.live"] = "0" * 64
+    rec["sources"]["sits_trace.analyzers.features"] = "0" * 64
     manifest.write_text(json.dumps(rec))
     st = native.check(root)
     assert not st.compiled and "another set of modules" in st.reason
-    assert "sits_trace.analyzers.live" in st.stale
-    del rec["sources"]["sits_trace.analyzers.live"]
+    assert "sits_trace.analyzers.features" in st.stale
+    del rec["sources"]["sits_trace.analyzers.features"]
     del rec["sources"]["sits_trace.agent.model"]
     manifest.write_text(json.dumps(rec))
     assert not native.check(root).compiled
