@@ -9,11 +9,16 @@ past ``max_label_sets`` distinct sets per metric a new set's route is ``_other``
 from __future__ import annotations
 
 import bisect
+import logging
+import math
 import re
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from sits_trace.agent.model import Span
+
+log = logging.getLogger(__name__)
 
 # OTel semconv advisory buckets for http.*.request.duration, plus 30 s and 60 s for LLM calls
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -91,10 +96,16 @@ class HistogramData:
     sum: float = 0.0
     count: int = 0
     exemplars: list[Exemplar | None] = field(default_factory=list)  # per bucket: links to traces
+    min: float = math.inf  # seconds, of the spans observed (OTLP's min and max)
+    max: float = -math.inf
 
 
 class RedAggregator:
-    """Thread-safe duration histograms of server and client spans, keyed by label set."""
+    """Thread-safe duration histograms of server and client spans, keyed by label set.
+
+    Shared by Prometheus /metrics and OTLP (exporters/otlp.py exports its snapshots): a span
+    costs a label lookup, a bucket and a few additions; a span's labels are worked out
+    (route templates: a regex per path segment) once per distinct raw fields, not per span."""
 
     def __init__(self, max_label_sets: int = 1000,
                  buckets: tuple[float, ...] = DURATION_BUCKETS_S) -> None:
@@ -102,28 +113,64 @@ class RedAggregator:
         self._lock = threading.Lock()
         self._limiters = {m: LabelLimiter(max_label_sets) for m in METRIC_OF_KIND.values()}
         self._data: dict[str, dict[LabelSet, HistogramData]] = {m: {} for m in METRIC_OF_KIND.values()}
+        # (service, method, route, path, status) as the span has them -> span_labels' answer;
+        # bounded (paths can all differ)
+        self._labels: dict[tuple[object, ...], LabelSet] = {}
+        self._max_cached = 4 * max_label_sets
+        self.skipped = 0  # spans that could not be observed (odd attributes)
 
     def observe(self, span: Span, service: str) -> None:
+        self.observe_many((span,), lambda _s: service)
+
+    def observe_many(self, spans: Iterable[Span], service_of: Callable[[Span], str]) -> None:
+        """Spans (a batch), each under its service's name, under one lock."""
+        buckets = self.buckets
+        with self._lock:
+            for span in spans:
+                try:
+                    self._observe(span, service_of, buckets)
+                except Exception:  # an odd span is skipped and counted, the rest go on
+                    self.skipped += 1
+                    log.debug("RED: span skipped", exc_info=True)
+
+    def _observe(self, span: Span, service_of: Callable[[Span], str],
+                 buckets: tuple[float, ...]) -> None:
         metric = METRIC_OF_KIND.get(span.kind)
         if metric is None:
             return
+        labels = self._limiters[metric].admit(self._labels_of(span, service_of(span)))
         seconds = max(span.end_time_unix_nano - span.start_time_unix_nano, 0) / 1e9
-        i = bisect.bisect_left(self.buckets, seconds)
-        w = span_weight(span)
-        with self._lock:
-            labels = self._limiters[metric].admit(span_labels(span, service))
-            h = self._data[metric].get(labels)
-            if h is None:
-                n = len(self.buckets) + 1
-                h = self._data[metric][labels] = HistogramData([0] * n, exemplars=[None] * n)
-            h.buckets[i] += w
-            h.exemplars[i] = (span.trace_id, seconds, span.end_time_unix_nano / 1e9)
-            h.sum += seconds * w
-            h.count += w
+        i = bisect.bisect_left(buckets, seconds)
+        w = span_weight(span) if "sampling.probability" in span.attributes else 1
+        h = self._data[metric].get(labels)
+        if h is None:
+            n = len(buckets) + 1
+            h = self._data[metric][labels] = HistogramData([0] * n, exemplars=[None] * n)
+        h.buckets[i] += w
+        h.exemplars[i] = (span.trace_id, seconds, span.end_time_unix_nano / 1e9)
+        h.sum += seconds * w
+        h.count += w
+        if seconds < h.min:
+            h.min = seconds
+        if seconds > h.max:
+            h.max = seconds
+
+    def _labels_of(self, span: Span, service: str) -> LabelSet:
+        get = span.attributes.get
+        raw = (service, get("http.request.method"), get("http.route"), get("url.path"),
+               get("http.response.status_code"))
+        labels = self._labels.get(raw)
+        if labels is None:
+            labels = span_labels(span, service)
+            if len(self._labels) >= self._max_cached:
+                self._labels.clear()
+            self._labels[raw] = labels
+        return labels
 
     def snapshot(self, metric: str) -> dict[LabelSet, HistogramData]:
         with self._lock:
-            return {k: HistogramData(list(v.buckets), v.sum, v.count, list(v.exemplars))
+            return {k: HistogramData(list(v.buckets), v.sum, v.count, list(v.exemplars),
+                                     v.min, v.max)
                     for k, v in self._data[metric].items()}
 
     def overflowed(self, metric: str) -> int:

@@ -21,16 +21,28 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Histogram,
+    HistogramDataPoint,
+    Metric,
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+    PeriodicExportingMetricReader,
+    ResourceMetrics,
+    ScopeMetrics,
+)
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from sits_trace.agent.model import AgentStats, AttrValue, Span
 
 from ._base import ExporterStats
 from ._otlp_traces import Transport, encode, sender
 from ._queue import QueuedExporter, RetryPolicy
-from ._red import DURATION_BUCKETS_S, LABELS, METRIC_OF_KIND, LabelLimiter, span_labels
+from ._red import LABELS, METRIC_OF_KIND, HistogramData, LabelSet, RedAggregator
 from ._resource import ResourceResolver
 from ._settings import OtlpSettings
 
@@ -66,6 +78,89 @@ class _Resources:
         self.attributes: Callable[[Span], Mapping[str, AttrValue]] = resolver.attributes
 
 
+class _RedOnExport(MetricExporter):
+    """The SDK's OTLP metric exporter, with the RED histograms added to each export: they are
+    aggregated by our RedAggregator (the one Prometheus /metrics uses), not recorded span by
+    span into SDK histograms, which cost 13-21 µs a span, as much as tracing it
+    (docs/performance.md). Cumulative, or delta where the exporter prefers delta for
+    histograms (OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE); counts re-weighted by
+    sampling.probability as /metrics does."""
+
+    def __init__(self, inner: MetricExporter, red: RedAggregator, scope: InstrumentationScope,
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+        temporality = dict(getattr(inner, "_preferred_temporality", None) or {})
+        super().__init__(preferred_temporality=temporality,
+                         preferred_aggregation=getattr(inner, "_preferred_aggregation", None))
+        self.inner = inner
+        self._red = red
+        self._scope = scope
+        self._clock = clock_ns
+        self._start = self._last_ns = clock_ns()
+        self._delta = temporality.get(SdkHistogram) == AggregationTemporality.DELTA
+        self._last: dict[tuple[str, LabelSet], HistogramData] = {}
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
+               **kwargs: Any) -> MetricExportResult:
+        try:
+            metrics_data = self._with_red(metrics_data)
+        except Exception:  # the agent's own metrics still go
+            log.debug("otlp metrics: RED histograms left out", exc_info=True)
+        return self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+
+    def _with_red(self, data: MetricsData) -> MetricsData:
+        now = self._clock()
+        red = [m for m in (self._metric(name, now) for name in METRIC_OF_KIND.values())
+               if m is not None]
+        self._last_ns = now
+        if not red or not data.resource_metrics:
+            return data
+        first = data.resource_metrics[0]
+        scopes = list(first.scope_metrics)
+        for i, sm in enumerate(scopes):
+            if sm.scope.name == self._scope.name:
+                scopes[i] = ScopeMetrics(sm.scope, [*sm.metrics, *red], sm.schema_url)
+                break
+        else:
+            scopes.append(ScopeMetrics(self._scope, red, ""))
+        return MetricsData([ResourceMetrics(first.resource, scopes, first.schema_url),
+                            *data.resource_metrics[1:]])
+
+    def _metric(self, name: str, now: int) -> Metric | None:
+        points = []
+        bounds = list(self._red.buckets)
+        for labels, h in self._red.snapshot(name).items():
+            attrs = {_OTEL_ATTR[k]: v for k, v in zip(LABELS, labels) if v != ""}
+            if not self._delta:
+                points.append(HistogramDataPoint(attrs, self._start, now, h.count, h.sum,
+                                                 h.buckets, bounds, h.min, h.max))
+                continue
+            prev = self._last.get((name, labels))
+            self._last[(name, labels)] = h
+            if prev is None:  # the first interval holds everything so far
+                points.append(HistogramDataPoint(attrs, self._last_ns, now, h.count, h.sum,
+                                                 h.buckets, bounds, h.min, h.max))
+                continue
+            if h.count == prev.count:
+                continue  # nothing new in this interval: no point, as the SDK does
+            # a later interval's min and max are not known from two cumulative snapshots:
+            # left out (they are optional in OTLP)
+            points.append(HistogramDataPoint(
+                attrs, self._last_ns, now, h.count - prev.count, h.sum - prev.sum,
+                [a - b for a, b in zip(h.buckets, prev.buckets)], bounds,
+                None, None))  # type: ignore[arg-type]
+        if not points:
+            return None
+        temporality = (AggregationTemporality.DELTA if self._delta
+                       else AggregationTemporality.CUMULATIVE)
+        return Metric(name, f"Duration of {name}", "s", Histogram(points, temporality))
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return bool(self.inner.force_flush(timeout_millis))
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+
 class _Metrics:
     """RED histograms + agent health over OTLP, through the SDK's MeterProvider."""
 
@@ -73,17 +168,14 @@ class _Metrics:
                  exporter_stats: ExporterStatsFn) -> None:
         self.agent_stats: AgentStatsFn | None = None
         self._exporter_stats = exporter_stats
-        self._limiters = {m: LabelLimiter(s.max_label_sets) for m in METRIC_OF_KIND.values()}
-        self._exporter = exporter
+        self.red = RedAggregator(s.max_label_sets)
+        self._exporter = _RedOnExport(exporter, self.red,
+                                      InstrumentationScope("sits-trace", "0.1.0"))
         reader = PeriodicExportingMetricReader(
-            exporter, export_interval_millis=s.metrics_interval_s * 1000,
+            self._exporter, export_interval_millis=s.metrics_interval_s * 1000,
             export_timeout_millis=s.timeout_s * 1000)
-        views = [View(instrument_name=m, aggregation=ExplicitBucketHistogramAggregation(
-            list(DURATION_BUCKETS_S))) for m in METRIC_OF_KIND.values()]
-        self.provider = MeterProvider(metric_readers=[reader], resource=resource, views=views)
+        self.provider = MeterProvider(metric_readers=[reader], resource=resource)
         meter = self.provider.get_meter("sits-trace", "0.1.0")
-        self._hist = {m: meter.create_histogram(m, unit="s", description=f"Duration of {m}")
-                      for m in METRIC_OF_KIND.values()}
         meter.create_observable_counter("sits.bpf.events", [self._kernel("kernel_seen")],
                                         unit="{event}")
         meter.create_observable_counter("sits.bpf.events.lost", [self._kernel("kernel_lost")],
@@ -95,18 +187,9 @@ class _Metrics:
         meter.create_observable_gauge("sits.export.queue", [self._depth], unit="{span}")
 
     def record(self, batch: Iterable[Span], resources: _Resources) -> None:
-        for span in batch:
-            metric = METRIC_OF_KIND.get(span.kind)
-            if metric is None:
-                continue
-            service = str(resources.attributes(span).get("service.name", ""))
-            labels = self._limiters[metric].admit(span_labels(span, service))
-            attrs = {_OTEL_ATTR[k]: v for k, v in zip(LABELS, labels) if v != ""}
-            dur = max(span.end_time_unix_nano - span.start_time_unix_nano, 0) / 1e9
-            # unweighted: the SDK's histograms take no weight, and recording a span shed
-            # as 1 in 2**n that many times would spend the CPU shedding saved; spans carry
-            # sampling.probability for backends that re-weight (Prometheus /metrics does)
-            self._hist[metric].record(dur, attrs)
+        """A batch into the RED histograms (the exporter thread, once per batch sent)."""
+        attributes = resources.attributes
+        self.red.observe_many(batch, lambda span: str(attributes(span).get("service.name", "")))
 
     def _stats(self) -> AgentStats:
         return self.agent_stats() if self.agent_stats is not None else AgentStats()

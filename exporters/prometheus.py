@@ -266,15 +266,18 @@ class PrometheusExporter:
         self.collector.agent_stats = stats
         self.collector.node_samples = samples
 
+    def _service_of(self, s: Span) -> str:
+        return self._service or str(s.attributes.get("process.executable.name", "")) \
+            or "unknown_service"
+
     def export(self, spans: Sequence[Span]) -> None:
+        self.red.observe_many(spans, self._service_of)  # the batch under one lock
         for s in spans:
-            try:
-                exe = s.attributes.get("process.executable.name", "")
-                service = self._service or str(exe) or "unknown_service"
-                self.red.observe(s, service)
-                self.collector.genai.observe(s, service)
-            except Exception:
-                log.debug("prometheus: span skipped", exc_info=True)
+            if s.attributes.get("gen_ai.operation.name") is not None:
+                try:
+                    self.collector.genai.observe(s, self._service_of(s))
+                except Exception:
+                    log.debug("prometheus: span skipped", exc_info=True)
         with self._lock:
             self._observed += len(spans)
 

@@ -15,7 +15,7 @@ from sits_trace.agent.config import Config, ConfigError
 from sits_trace.agent.model import Span
 from sits_trace.exporters import ExporterSet, build_exporters
 from sits_trace.exporters._queue import QueuedExporter, RetryPolicy
-from sits_trace.exporters._red import LabelLimiter, path_template, span_labels
+from sits_trace.exporters._red import LabelLimiter, RedAggregator, path_template, span_labels
 from sits_trace.exporters._resource import ResourceResolver, container_id_from_cgroup
 from sits_trace.exporters.jsonl import JsonlExporter
 
@@ -167,6 +167,35 @@ def test_label_limiter_folds_new_routes_into_other() -> None:
     brew.attributes["http.request.method"] = "BREW"
     assert span_labels(routed, "s")[2] == "/items/{id}"
     assert span_labels(brew, "s")[1] == "_OTHER"
+
+
+def test_red_aggregator_takes_a_batch_with_labels_worked_out_once_and_odd_spans_skipped() -> None:
+    """exporters/_red.RedAggregator.observe_many: the same histograms as span by span; a
+    span's labels are looked up by its raw fields (bounded), so ids in paths still become
+    {id} and fold into _other past the limit; a span that cannot be observed is counted and
+    the rest of its batch still is."""
+    spans = [make_span(i, path=f"/users/{i}/orders", status=200 + (i % 2) * 300)
+             for i in range(200)]
+    one, many = RedAggregator(max_label_sets=3), RedAggregator(max_label_sets=3)
+    for sp in spans:
+        one.observe(sp, "svc")
+    many.observe_many(spans, lambda _s: "svc")
+    metric = "http.server.request.duration"
+    assert many.snapshot(metric) == one.snapshot(metric)
+    assert set(many.snapshot(metric)) == {("svc", "POST", "/users/{id}/orders", "200"),
+                                          ("svc", "POST", "/users/{id}/orders", "500")}
+    assert len(many._labels) <= 4 * 3
+    odd = RedAggregator()
+    bad = make_span(1)
+
+    def service_of(sp: Span) -> str:
+        if sp is bad:
+            raise ValueError("odd")
+        return "svc"
+
+    odd.observe_many([make_span(0), bad, make_span(2)], service_of)
+    (h,) = odd.snapshot(metric).values()
+    assert h.count == 2 and odd.skipped == 1 and h.min == h.max == 0.25
 
 
 def test_build_exporters_defaults_to_jsonl_on_stdout() -> None:

@@ -185,9 +185,54 @@ def test_metrics_go_over_otlp_too(proc_root: str) -> None:
                 for m in sm.metrics if m.name == "http.server.request.duration")
         point = hist.histogram.data_points[0]
         assert point.count == 5 and abs(point.sum - 1.25) < 1e-9
+        assert point.min == point.max == 0.25 and sum(point.bucket_counts) == 5
+        assert list(point.explicit_bounds)[:2] == [0.005, 0.01]
+        assert point.bucket_counts[list(point.explicit_bounds).index(0.25)] == 5  # le 0.25
+        assert hist.histogram.aggregation_temporality == 2  # cumulative
+        assert point.start_time_unix_nano < point.time_unix_nano
         attrs = {kv.key: kv.value for kv in point.attributes}
         assert attrs["http.route"].string_value == "/v1/completions"
         assert attrs["service.name"].string_value == "uvicorn"
+    finally:
+        r.stop()
+
+
+def _red_points(r: GrpcReceiver, req: int) -> list[Any]:
+    return [p for rm in r.metrics[req].resource_metrics for sm in rm.scope_metrics
+            for m in sm.metrics if m.name == "http.server.request.duration"
+            for p in m.histogram.data_points]
+
+
+def test_red_histograms_over_otlp_are_re_weighted_and_follow_a_delta_preference(
+        proc_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RED histograms come from our aggregator (exporters/_red.py), not from SDK
+    instruments: a span shed 1 in 4 counts 4, as on /metrics; with the exporter preferring
+    delta temporality each export carries what is new since the last one, and an export
+    with nothing new carries no point for it."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "delta")
+    r = GrpcReceiver().start()
+    try:
+        s = settings(r.endpoint, otlp_metrics=True, otlp_metrics_interval_s=60.0)
+        exp = OtlpExporter(s, proc_root=proc_root, hostname="h")
+        exp.attach_agent(lambda: AgentStats())
+        exp.export([make_span(0, **{"sampling.probability": 0.25}), make_span(1)])
+        assert exp.force_flush(10)
+        exp.export([make_span(2), make_span(3, status=503)])
+        assert exp.force_flush(10)
+        assert exp.force_flush(10)
+        exp.shutdown()
+        assert len(r.metrics) >= 3
+        (first,) = _red_points(r, 0)
+        assert first.count == 5 and abs(first.sum - 5 * 0.25) < 1e-9 and first.min == 0.25
+        second = {next(kv.value.string_value for kv in p.attributes
+                       if kv.key == "http.response.status_code"): p for p in _red_points(r, 1)}
+        assert {k: p.count for k, p in second.items()} == {"200": 1, "503": 1}
+        assert not second["200"].HasField("min")  # an interval's min is not known
+        assert second["200"].start_time_unix_nano == first.time_unix_nano
+        assert _red_points(r, 2) == []  # nothing new
+        hist = next(m for rm in r.metrics[1].resource_metrics for sm in rm.scope_metrics
+                    for m in sm.metrics if m.name == "http.server.request.duration")
+        assert hist.histogram.aggregation_temporality == 1  # delta
     finally:
         r.stop()
 
