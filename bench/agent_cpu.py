@@ -17,7 +17,8 @@ full capture, nothing shed) for each run, then the medians.
 `--otlp`: the agent runs as the service does (`sits-trace run`, a config with `trace.pids`,
 full capture, no JSON lines, control loop and API sockets off) and exports every span over
 OTLP/HTTP to a receiver in this process, which counts the spans it got (parsed with
-opentelemetry-proto) so a side that dropped or never sent spans shows.
+opentelemetry-proto) so a side that dropped or never sent spans shows; RED and agent
+metrics go over OTLP too, as shipped (`--no-otlp-metrics`: traces only).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import overhead  # the sibling bench: nginx and wrk helpers
 
 
 class Receiver:
-    """OTLP/HTTP traces: answers 200 and counts the spans of every request."""
+    """OTLP/HTTP: answers 200; counts the spans of every traces request (/v1/traces) and the
+    metrics requests (/v1/metrics)."""
 
     def __init__(self) -> None:
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -47,15 +49,19 @@ class Receiver:
         )
         recv = self
         self.spans = 0
+        self.metric_requests = 0
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                req = ExportTraceServiceRequest.FromString(body)
-                recv.spans += sum(len(ss.spans) for rs in req.resource_spans
-                                  for ss in rs.scope_spans)
+                if self.path.endswith("/v1/metrics"):
+                    recv.metric_requests += 1
+                else:
+                    req = ExportTraceServiceRequest.FromString(body)
+                    recv.spans += sum(len(ss.spans) for rs in req.resource_spans
+                                      for ss in rs.scope_spans)
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -65,10 +71,13 @@ class Receiver:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"{self.base}/v1/traces"
 
 
-def _service_config(d: Path, nginx_pid: int, url: str, extra: str | None) -> str:
+def _service_config(d: Path, nginx_pid: int, url: str, extra: str | None,
+                    metrics: bool = True) -> str:
+    """`url`: the receiver's base URL (/v1/traces and /v1/metrics are appended)."""
     p = d / "otlp.toml"
     p.write_text(f"""[trace]
 pids = [{nginx_pid}]
@@ -78,7 +87,7 @@ cpu_budget = 0
 jsonl_path = ""
 otlp_endpoint = "{url}"
 otlp_protocol = "http/protobuf"
-otlp_metrics = false
+otlp_metrics = {str(metrics).lower()}
 
 [api]
 socket = ""
@@ -101,7 +110,8 @@ def one_run(python: str, config: str | None, a: argparse.Namespace,
         nginx = overhead.start_nginx(Path(d), port, 1)
         if receiver is not None:
             cmd = [sits, "run", "--config",
-                   _service_config(Path(d), nginx.pid, receiver.url, config)]
+                   _service_config(Path(d), nginx.pid, receiver.base, config,
+                                   not a.no_otlp_metrics)]
             ready = overhead.RUN_READY
         else:
             cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
@@ -143,6 +153,8 @@ def main() -> int:
                     help="environment for the baseline side's agent (repeatable)")
     ap.add_argument("--otlp", action="store_true",
                     help="run as the service, every span over OTLP/HTTP to a receiver here")
+    ap.add_argument("--no-otlp-metrics", action="store_true",
+                    help="with --otlp: traces only (export.otlp_metrics = false; on by default)")
     a = ap.parse_args()
     receiver = Receiver() if a.otlp else None
     benv = dict(kv.split("=", 1) for kv in a.baseline_env)

@@ -60,7 +60,7 @@ def main() -> int:
         if a.otlp:
             receiver = agent_cpu.Receiver()
             cmd = [sits, "run", "--config",
-                   agent_cpu._service_config(Path(d), nginx.pid, receiver.url, None)]
+                   agent_cpu._service_config(Path(d), nginx.pid, receiver.base, None)]
             ready = overhead.RUN_READY
         else:
             cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
