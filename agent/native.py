@@ -53,6 +53,7 @@ MODULES = (
     "sits_trace.agent.signals.sched",
     "sits_trace.exporters._otlp_traces",
     "sits_trace.analyzers.live",
+    "sits_trace.exporters._red",
 )
 # the C library every compiled module's code lives in (mypyc's "group")
 GROUP = "sits_trace.agent.hotpath"
