@@ -15,7 +15,7 @@ interpreted instead of compiled (agent/native.py). Prints requests/s, agent core
 full capture, nothing shed) for each run, then the medians.
 
 `--otlp`: the agent runs as the service does (`sits-trace run`, a config with `trace.pids`,
-full capture, no JSON lines, control loop and API sockets off) and exports every span over
+full capture, no JSON lines, control loop and API sockets off; `--as-shipped`: on) and exports every span over
 OTLP/HTTP to a receiver in this process, which counts the spans it got (parsed with
 opentelemetry-proto) so a side that dropped or never sent spans shows; RED and agent
 metrics go over OTLP too, as shipped (`--no-otlp-metrics`: traces only).
@@ -76,9 +76,17 @@ class Receiver:
 
 
 def _service_config(d: Path, nginx_pid: int, url: str, extra: str | None,
-                    metrics: bool = True) -> str:
-    """`url`: the receiver's base URL (/v1/traces and /v1/metrics are appended)."""
+                    metrics: bool = True, shipped: bool = False) -> str:
+    """`url`: the receiver's base URL (/v1/traces and /v1/metrics are appended). `shipped`:
+    the API socket (`top`) and the control loop (advise) stay on, as they ship."""
     p = d / "otlp.toml"
+    off = "" if shipped else """
+[api]
+socket = ""
+
+[control]
+enabled = false
+"""
     p.write_text(f"""[trace]
 pids = [{nginx_pid}]
 cpu_budget = 0
@@ -88,13 +96,7 @@ jsonl_path = ""
 otlp_endpoint = "{url}"
 otlp_protocol = "http/protobuf"
 otlp_metrics = {str(metrics).lower()}
-
-[api]
-socket = ""
-
-[control]
-enabled = false
-""" + (Path(extra).read_text() if extra else ""))
+""" + off + (Path(extra).read_text() if extra else ""))
     return str(p)
 
 
@@ -111,7 +113,7 @@ def one_run(python: str, config: str | None, a: argparse.Namespace,
         if receiver is not None:
             cmd = [sits, "run", "--config",
                    _service_config(Path(d), nginx.pid, receiver.base, config,
-                                   not a.no_otlp_metrics)]
+                                   not a.no_otlp_metrics, a.as_shipped)]
             ready = overhead.RUN_READY
         else:
             cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
@@ -153,6 +155,8 @@ def main() -> int:
                     help="environment for the baseline side's agent (repeatable)")
     ap.add_argument("--otlp", action="store_true",
                     help="run as the service, every span over OTLP/HTTP to a receiver here")
+    ap.add_argument("--as-shipped", action="store_true",
+                    help="with --otlp: the API socket and the control loop on, as they ship")
     ap.add_argument("--no-otlp-metrics", action="store_true",
                     help="with --otlp: traces only (export.otlp_metrics = false; on by default)")
     a = ap.parse_args()
