@@ -9,7 +9,9 @@ agent's own code, one stage at a time, and prints the median over `--repeat` run
 stage's µs per span (process CPU time). `otlp` is the shipped encoder (exporters/_otlp_traces.py:
 our spans straight into the request's protobuf bytes, a request per batch of 512); `otlp_sdk`
 the path before it (an SDK ReadableSpan per span, then the SDK's encoder), not counted in
-total_us. The node signals (TCP, run queue) are not in here:
+total_us. `live` is `top`'s live view (analyzers/live.py), `red` the RED histograms of
+/metrics and OTLP metrics (exporters/_red.py); `red_sdk` how RED reached OTLP before (an SDK
+histogram record per span), not counted in total_us. The node signals (TCP, run queue) are not in here:
 they read kernel maps; bench/overhead.py measures the whole agent, them included.
 """
 
@@ -166,6 +168,47 @@ def otlp_encoder() -> Callable[[list[Span]], int]:
     return encode
 
 
+def red_sdk_recorder() -> Callable[[list[Span]], None] | None:
+    """How RED durations reached OTLP before (kept here to compare): each span recorded into
+    an SDK histogram, its labels worked out per span."""
+    try:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+    except ImportError:
+        return None
+    from sits_trace.exporters._red import (
+        DURATION_BUCKETS_S,
+        LABELS,
+        METRIC_OF_KIND,
+        LabelLimiter,
+        span_labels,
+    )
+    names = dict(zip(LABELS, ("service.name", "http.request.method", "http.route",
+                              "http.response.status_code")))
+    provider = MeterProvider(metric_readers=[InMemoryMetricReader()], views=[
+        View(instrument_name=m, aggregation=ExplicitBucketHistogramAggregation(
+            list(DURATION_BUCKETS_S))) for m in METRIC_OF_KIND.values()])
+    meter = provider.get_meter("sits-trace", "0.1.0")
+    hist = {m: meter.create_histogram(m, unit="s") for m in METRIC_OF_KIND.values()}
+    limiters = {m: LabelLimiter(1000) for m in METRIC_OF_KIND.values()}
+
+    def record(spans: list[Span]) -> None:
+        for span in spans:
+            metric = METRIC_OF_KIND.get(span.kind)
+            if metric is None:
+                continue
+            labels = limiters[metric].admit(span_labels(span, "nginx"))
+            attrs = {names[k]: v for k, v in zip(LABELS, labels) if v != ""}
+            hist[metric].record((span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
+                                attrs)
+    return record
+
+
+def batches(spans: list[Span], n: int) -> list[list[Span]]:
+    return [spans[i:i + n] for i in range(0, len(spans), n)]
+
+
 def stages(records: list[bytes]) -> dict[str, float]:
     """µs of CPU per span for each stage over `records`."""
     out: dict[str, float] = {}
@@ -182,6 +225,20 @@ def stages(records: list[bytes]) -> dict[str, float]:
     sdk = otlp_sdk_encoder()
     if sdk is not None:
         out["otlp_sdk"] = cpu_us(lambda: sdk(spans))
+    # `run`'s other consumers of every span: top's live view (the tracer's batches), the RED
+    # histograms of /metrics and OTLP metrics (the exporter's batches of 512)
+    from sits_trace.analyzers.live import LiveView
+    from sits_trace.exporters._red import RedAggregator
+    view, red = LiveView(), RedAggregator()
+    out["live"] = cpu_us(lambda: [view.add_many(b) for b in batches(spans, 64)])
+    if hasattr(red, "observe_many"):
+        out["red"] = cpu_us(lambda: [red.observe_many(b, lambda _s: "nginx")
+                                     for b in batches(spans, 512)])
+    else:  # a checkout from before batches (run with its python to compare)
+        out["red"] = cpu_us(lambda: [red.observe(sp, "nginx") for sp in spans])
+    red_sdk = red_sdk_recorder()
+    if red_sdk is not None:
+        out["red_sdk"] = cpu_us(lambda: red_sdk(spans))
     n = max(1, len(spans))
     per = {k: v / n for k, v in out.items()}
     per["spans"] = len(spans)
@@ -206,7 +263,7 @@ def main() -> None:
         runs = [stages(recs) for _ in range(a.repeat)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         med["total_us"] = sum(v for k, v in med.items()
-                              if k not in ("spans", "records_per_span", "otlp_sdk"))
+                              if k not in ("spans", "records_per_span", "otlp_sdk", "red_sdk"))
         report[name] = med
         cols = " ".join(f"{k}={v:.2f}" for k, v in med.items() if k not in ("spans",))
         print(f"{name}: {cols}  (us/span, median of {a.repeat})")
