@@ -5,7 +5,7 @@
 
 nginx (`return 200`) under wrk with each of `--connections` pacing `--paced-ms` between
 requests (20 x 2 ms: about 10k requests/s asked); the agent (`--python`'s checkout, default
-this one) runs `trace --json --pid <nginx> --cpu-budget 0` (`--otlp`: as the service, `run`,
+this one) runs `trace --json --pid <nginx> --cpu-budget 0` (`--otlp`: as the service ships, `run`,
 exporting every span over OTLP/HTTP, as bench/agent_cpu.py --otlp) and py-spy records it for
 `--seconds` (an --out ending in .txt gets collapsed stacks instead of an SVG; `--native` for
 the compiled hot path's frames). Prints the spans/s it traced and its CPU per span. Needs py-spy (PyPI) in the venv.
@@ -45,7 +45,7 @@ def main() -> int:
                     help="perf with DWARF stacks: a table by compiled function (see above)")
     ap.add_argument("--otlp", action="store_true",
                     help="the agent as the service (`run`), every span over OTLP/HTTP to a "
-                         "receiver here, as bench/agent_cpu.py --otlp")
+                         "receiver here, as bench/agent_cpu.py --otlp --as-shipped")
     ap.add_argument("--native", action="store_true",
                     help="C frames too: the compiled hot path's functions (agent/native.py) show "
                          "only so; py-spy then stops the agent at each sample")
@@ -60,7 +60,8 @@ def main() -> int:
         if a.otlp:
             receiver = agent_cpu.Receiver()
             cmd = [sits, "run", "--config",
-                   agent_cpu._service_config(Path(d), nginx.pid, receiver.base, None)]
+                   agent_cpu._service_config(Path(d), nginx.pid, receiver.base, None,
+                                             shipped=True)]
             ready = overhead.RUN_READY
         else:
             cmd = [sits, "trace", "--json", "--pid", str(nginx.pid), "--cpu-budget", "0"]
