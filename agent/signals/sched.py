@@ -87,6 +87,31 @@ def runq_between(samples: list[tuple[int, int]]) -> int:
     return total
 
 
+class _ConnObs:
+    """One connection's reads and writes seen, oldest first, from index r0 / w0 on (reads
+    kept apart from writes so a long stream's writes don't push the request's first read
+    out; each side keeps at most `per_conn`)."""
+
+    def __init__(self) -> None:
+        self.reads: list[_Obs] = []
+        self.writes: list[_Obs] = []
+        self.r0 = 0
+        self.w0 = 0
+
+
+def _window(q: list[_Obs], i: int, start: int, end: int, out: list[_Obs]) -> int:
+    """Append q's observations from index i on that end in [start, end] to `out`; returns
+    the index of the first one not before `start` (those before it are forgotten)."""
+    n = len(q)
+    while i < n and q[i][0] < start:
+        i += 1
+    for j in range(i, n):  # a loop, not a generator: this runs for every span
+        o = q[j]
+        if o[0] <= end:
+            out.append(o)
+    return i
+
+
 class SchedSignals:
     """Reads bpf/sched.c's maps, keeps the runq snapshots of EV_DATA, annotates spans."""
 
@@ -98,12 +123,9 @@ class SchedSignals:
         self._now = monotonic_ns
         self._max_conns = max_conns
         self._per_conn = per_conn
-        # per connection: reads (few per request, kept apart so long streams don't push the
-        # request's first read out) and writes
-        self._reads: collections.OrderedDict[int, collections.deque[_Obs]] = \
-            collections.OrderedDict()
-        self._writes: collections.OrderedDict[int, collections.deque[_Obs]] = \
-            collections.OrderedDict()
+        # per connection, least recently used first: its reads and writes seen
+        self._conns: collections.OrderedDict[int, _ConnObs] = collections.OrderedDict()
+        self._last_conn = 0  # the connection of the last record: already at the end
         self._last_ns = self._now()
         self._last_procs = self._procs()
         self._last_hist = self._hist()
@@ -133,31 +155,43 @@ class SchedSignals:
 
     def on_data(self, ev: DataEvent) -> None:
         """Tracer data observer: keep the thread's runq snapshot at this read/write."""
-        if not ev.conn_id:
+        cid = ev.conn_id
+        if not cid:
             return  # TLS plaintext of an unknown socket: no stable key here
-        table = self._reads if ev.direction == _INGRESS else self._writes
-        q = table.get(ev.conn_id)
-        if q is None:
-            q = table[ev.conn_id] = collections.deque(maxlen=self._per_conn)
-            if len(table) > self._max_conns:
-                table.popitem(last=False)
+        conns = self._conns
+        c = conns.get(cid)
+        if c is None:
+            c = conns[cid] = _ConnObs()
+            if len(conns) > self._max_conns:
+                conns.popitem(last=False)
+        elif cid != self._last_conn:  # the last record's connection is at the end already
+            conns.move_to_end(cid)
+        self._last_conn = cid
+        o = (ev.ts_exit_ns, ev.tid, ev.runq_us)
+        if ev.direction == _INGRESS:
+            c.reads.append(o)
+            if len(c.reads) - c.r0 > self._per_conn:
+                c.r0 += 1  # the oldest falls out
         else:
-            table.move_to_end(ev.conn_id)
-        q.append((ev.ts_exit_ns, ev.tid, ev.runq_us))
+            c.writes.append(o)
+            if len(c.writes) - c.w0 > self._per_conn:
+                c.w0 += 1
 
     def _take_window(self, conn_id: int, start: int, end: int) -> list[_Obs]:
         """The connection's observations inside [start, end], in time order; those before
         `start` are forgotten (the next exchange on it starts later)."""
         obs: list[_Obs] = []
-        for t in (self._reads, self._writes):
-            q = t.get(conn_id)
-            if not q:
-                continue
-            while q and q[0][0] < start:
-                q.popleft()
-            for o in q:  # a loop, not a generator: this runs for every span
-                if o[0] <= end:
-                    obs.append(o)
+        c = self._conns.get(conn_id)
+        if c is None:
+            return obs
+        c.r0 = _window(c.reads, c.r0, start, end, obs)
+        if c.r0 > 64 and 2 * c.r0 > len(c.reads):
+            del c.reads[:c.r0]
+            c.r0 = 0
+        c.w0 = _window(c.writes, c.w0, start, end, obs)
+        if c.w0 > 64 and 2 * c.w0 > len(c.writes):
+            del c.writes[:c.w0]
+            c.w0 = 0
         if len(obs) > 1:
             prev = -1
             for o in obs:  # usually in time order already (a read, then a write)

@@ -228,6 +228,58 @@ def test_a_spans_run_queue_delay_is_its_own_exchanges_on_a_keep_alive_connection
     assert delay(3000, 3300) == (60, True)
 
 
+def test_run_queue_observations_are_bounded_per_connection_and_in_connections() -> None:
+    """SchedSignals keeps at most per_conn reads and per_conn writes of a connection (the
+    oldest fall out: the window is then a lower bound) and at most max_conns connections,
+    the least recently seen dropped first; a long stream's many windows stay exact."""
+    from sits_trace.agent.capture.events import DataEvent, Source
+    from sits_trace.agent.model import (
+        ConnInfo,
+        Direction,
+        Exchange,
+        RequestHead,
+        ResponseHead,
+        Role,
+        Span,
+    )
+
+    sig = SchedSignals(DictMaps({}), max_conns=2, per_conn=3)
+
+    def io(conn: int, ts: int, d: int, rq: int) -> None:
+        sig.on_data(DataEvent(1, 7, conn, 3, 0, ts - 10, ts, 10, Direction(d), Source.SYSCALL,
+                              Role.SERVER, b"", runq_us=rq))
+
+    def delay(conn: int, start: int, end: int) -> tuple[object, object]:
+        ex = Exchange(ConnInfo(conn_id=conn, pid=1, fd=3, role=Role.SERVER),
+                      RequestHead("GET", "/", "1.1", [], start, start),
+                      ResponseHead(200, "1.1", [], end - 10, end))
+        span = Span("0" * 32, "0" * 16, None, "GET /", "SERVER", 0, 0)
+        sig.annotate(ex, span)
+        return (span.attributes.get("sits.cpu.runq_delay_us"),
+                span.attributes.get("sits.cpu.runq_delay_exact"))
+
+    io(1, 100, 0, 0)
+    for i in range(5):  # five writes: the first two fall out (the sum telescopes: same value)
+        io(1, 200 + 100 * i, 1, 10 * (i + 1))
+    c = sig._conns[1]
+    assert len(c.writes) - c.w0 == 3 and len(c.reads) - c.r0 == 1
+    assert delay(1, 100, 600) == (50, True)
+    io(1, 1000, 0, 0)  # connection 1's next request: [1]
+    io(2, 1000, 0, 0)  # [1, 2]
+    io(1, 1050, 0, 1)  # 1 seen again: [2, 1]
+    io(3, 1000, 0, 0)  # a third connection: 2, the least recently seen, is dropped
+    assert sorted(sig._conns) == [1, 3]
+    io(1, 1100, 1, 99)
+    assert delay(1, 1000, 1100) == (99, True)
+    io(2, 1100, 1, 9)  # 2 comes back without its request's read; 3 goes
+    assert delay(2, 1000, 1100) == (0, False)
+    assert sorted(sig._conns) == [1, 2]
+    for k in range(300):  # a long-lived connection: windows one after another stay exact
+        io(4, 10_000 + 100 * k, 0, 3 * k)
+        io(4, 10_050 + 100 * k, 1, 3 * k + 2)
+        assert delay(4, 10_000 + 100 * k, 10_050 + 100 * k) == (2, True)
+
+
 def test_a_connections_tcp_stats_are_read_once_until_an_event_or_a_second_passes() -> None:
     """TcpSignals reads a connection's tcp_conns entry once and keeps it across batches of
     records until a TCP event record arrives (the counters only move with one) or the
