@@ -112,6 +112,16 @@ def _window(q: list[_Obs], i: int, start: int, end: int, out: list[_Obs]) -> int
     return i
 
 
+def _compact(q: list[_Obs], i: int) -> int:
+    """Drop q's forgotten prefix (before index i) once it is over half of q and over 64
+    entries; returns the index of the first kept one. Amortized O(1) per entry, and q holds
+    at most twice what is kept (plus 64) whether or not spans consume it."""
+    if i > 64 and 2 * i > len(q):
+        del q[:i]
+        return 0
+    return i
+
+
 class SchedSignals:
     """Reads bpf/sched.c's maps, keeps the runq snapshots of EV_DATA, annotates spans."""
 
@@ -171,11 +181,11 @@ class SchedSignals:
         if ev.direction == _INGRESS:
             c.reads.append(o)
             if len(c.reads) - c.r0 > self._per_conn:
-                c.r0 += 1  # the oldest falls out
+                c.r0 = _compact(c.reads, c.r0 + 1)  # the oldest falls out
         else:
             c.writes.append(o)
             if len(c.writes) - c.w0 > self._per_conn:
-                c.w0 += 1
+                c.w0 = _compact(c.writes, c.w0 + 1)
 
     def _take_window(self, conn_id: int, start: int, end: int) -> list[_Obs]:
         """The connection's observations inside [start, end], in time order; those before
@@ -184,14 +194,8 @@ class SchedSignals:
         c = self._conns.get(conn_id)
         if c is None:
             return obs
-        c.r0 = _window(c.reads, c.r0, start, end, obs)
-        if c.r0 > 64 and 2 * c.r0 > len(c.reads):
-            del c.reads[:c.r0]
-            c.r0 = 0
-        c.w0 = _window(c.writes, c.w0, start, end, obs)
-        if c.w0 > 64 and 2 * c.w0 > len(c.writes):
-            del c.writes[:c.w0]
-            c.w0 = 0
+        c.r0 = _compact(c.reads, _window(c.reads, c.r0, start, end, obs))
+        c.w0 = _compact(c.writes, _window(c.writes, c.w0, start, end, obs))
         if len(obs) > 1:
             prev = -1
             for o in obs:  # usually in time order already (a read, then a write)

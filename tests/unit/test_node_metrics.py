@@ -263,6 +263,12 @@ def test_run_queue_observations_are_bounded_per_connection_and_in_connections() 
         io(1, 200 + 100 * i, 1, 10 * (i + 1))
     c = sig._conns[1]
     assert len(c.writes) - c.w0 == 3 and len(c.reads) - c.r0 == 1
+    long = SchedSignals(DictMaps({}), per_conn=3)
+    for i in range(1000):  # writes no span consumes (a long download): the list stays bounded
+        long.on_data(DataEvent(1, 7, 5, 3, 0, i, 100 + i, 10, Direction.EGRESS, Source.SYSCALL,
+                               Role.SERVER, b"", runq_us=i))
+    c5 = long._conns[5]
+    assert len(c5.writes) - c5.w0 == 3 and len(c5.writes) <= 3 + 65
     assert delay(1, 100, 600) == (50, True)
     io(1, 1000, 0, 0)  # connection 1's next request: [1]
     io(2, 1000, 0, 0)  # [1, 2]
