@@ -63,6 +63,24 @@ class _Victim:
         return float(np.percentile(v, 95))
 
 
+def _quiet_baseline(v: _Victim, tries: int = 5, seconds: float = 3.0,
+                    quiet_ms: float = 3.0) -> tuple[float, float, list[float]]:
+    """The handler's p95 with no competitor, measured when the machine is quiet enough to
+    judge against: 2 ms of work starting more than 1 ms late at p95 means something else
+    competes (a CI run once read 4.95 ms here, then 8.2 starved, and failed the competitor
+    check while the reservation itself worked). Measure again, up to `tries` windows; the
+    last window is the baseline whatever it reads, and every try is in the messages."""
+    bases: list[float] = []
+    for _ in range(tries):
+        t0 = time.time()
+        time.sleep(seconds)
+        t1 = time.time()
+        bases.append(round(v.p95(t0, t1), 2))
+        if bases[-1] <= quiet_ms:
+            break
+    return t0, t1, bases
+
+
 def _policies(pid: int) -> dict[int, int]:
     out = {}
     for t in os.listdir(f"/proc/{pid}/task"):
@@ -80,10 +98,8 @@ def test_reservation_gives_a_starved_handler_its_latency_back(tmp_path) -> None:
     res = DeadlineReserver(state_path=tmp_path / "state.json")
     stress = None
     try:
-        time.sleep(3.0)
-        t_base = time.time()
-        time.sleep(3.0)
-        t_fault = time.time()
+        time.sleep(1.0)
+        _, t_fault, bases = _quiet_baseline(v)
         stress = subprocess.Popen(["stress-ng", "--cpu", "3", "--timeout", "60"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(4.0)
@@ -105,11 +121,11 @@ def test_reservation_gives_a_starved_handler_its_latency_back(tmp_path) -> None:
             stress.kill()
         res.revert_all()
         v.proc.kill()
-    base, starved = v.p95(t_base, t_fault), v.p95(t_fault + 1, t_plan)
+    base, starved = bases[-1], v.p95(t_fault + 1, t_plan)
     reserved = v.p95(t_res + 0.5, t_end)
     got = r.to_json()  # what the kernel's admission control let it have (it may halve)
-    print(f"p95 ms: baseline {base:.2f}, starved {starved:.2f}, reserved {reserved:.2f}; {got}")
-    assert starved > 2 * base, (base, starved)  # the competitor bit
+    print(f"p95 ms: baseline {base:.2f} (tries {bases}), starved {starved:.2f}, reserved {reserved:.2f}; {got}")
+    assert starved > 2 * base, (bases, starved)  # the competitor bit
     assert reserved < starved / 2, (base, starved, reserved, got)
     assert reserved < 1.5 * base + 1.0, (base, starved, reserved, got)
     assert any(line.startswith("fork 0") for line in v.lines), v.lines[-5:]
