@@ -54,6 +54,7 @@ MODULES = (
     "sits_trace.exporters._otlp_traces",
     "sits_trace.analyzers.live",
     "sits_trace.exporters._red",
+    "sits_trace.analyzers.control.latency",
 )
 # the C library every compiled module's code lives in (mypyc's "group")
 GROUP = "sits_trace.agent.hotpath"

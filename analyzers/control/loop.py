@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sits_trace.agent.model import MetricSample, Span
@@ -32,6 +32,7 @@ from sits_trace.agent.model import MetricSample, Span
 from .actuators import ActuatorError, CgroupCpuActuator, CpuAction
 from .board import DecisionBoard
 from .deadline import DeadlineReserver, Reservation
+from .latency import LatencyTable, p95
 from .verdicts import CPU_ACTIONABLE, Cause, Verdict, VerdictSource
 from .window import Bounds, IntervalStats, WindowController, make_controller
 
@@ -77,57 +78,6 @@ class _Reserved:
     low_since: float | None = None
 
 
-@dataclass
-class LatencyTable:
-    """Request latencies per service, collected between two ticks (thread-safe)."""
-
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _ms: dict[str, list[float]] = field(default_factory=dict)
-    _pids: dict[str, set[int]] = field(default_factory=dict)
-
-    def add(self, service: str, ms: float, pid: int | None = None) -> None:
-        with self._lock:
-            self._ms.setdefault(service, []).append(ms)
-            if pid is not None:
-                self._pids.setdefault(service, set()).add(pid)
-
-    def add_many(self, rows: list[tuple[str, float, int | None]]) -> None:
-        """(service, ms, pid) rows under one lock: a tracer's batch of spans."""
-        with self._lock:
-            ms, pids = self._ms, self._pids
-            for service, v, pid in rows:
-                col = ms.get(service)
-                if col is None:
-                    col = ms[service] = []
-                col.append(v)
-                if pid is not None:
-                    pids.setdefault(service, set()).add(pid)
-
-    def take(self, service: str) -> list[float]:
-        with self._lock:
-            return self._ms.pop(service, [])
-
-    def busiest(self) -> str | None:
-        with self._lock:
-            return max(self._ms, key=lambda s: len(self._ms[s]), default=None)
-
-    def pids(self, service: str) -> set[int]:
-        with self._lock:
-            return set(self._pids.get(service, ()))
-
-
-def p95(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(0.95 * len(s)) - 1))]
-
-
-def span_service(span: Span) -> str:
-    name = span.attributes.get("process.executable.name")
-    return str(name) if name is not None else str(span.attributes.get("process.pid", "?"))
-
-
 class ControlLoop:
     def __init__(self, opts: ControlOptions, board: DecisionBoard, *,
                  actuator: CgroupCpuActuator | None = None,
@@ -167,17 +117,9 @@ class ControlLoop:
         self.observe_spans([span])
 
     def observe_spans(self, spans: list[Span]) -> None:
-        """The latency of each SERVER span into the table: a tracer's batch under one lock."""
-        rows: list[tuple[str, float, int | None]] = []
-        for span in spans:
-            if span.kind != "SERVER":
-                continue
-            pid = span.attributes.get("process.pid")
-            rows.append((span_service(span),
-                         (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6,
-                         pid if isinstance(pid, int) else None))
-        if rows:
-            self.latency.add_many(rows)
+        """The latency of each SERVER span into the table: a tracer's batch under one lock
+        (compiled: latency.py)."""
+        self.latency.add_spans(spans)
 
     def observe_latency(self, service: str, ms: float) -> None:
         self.latency.add(service, ms)

@@ -12,6 +12,7 @@ from sits_trace.agent.config import ConfigError, ControlConfig, load
 from sits_trace.agent.model import Span
 from sits_trace.analyzers.control.actuators import CgroupCpuActuator, CpuHierarchy
 from sits_trace.analyzers.control.board import DecisionBoard
+from sits_trace.analyzers.control.latency import LatencyTable, p95
 from sits_trace.analyzers.control.loop import ControlLoop
 from sits_trace.analyzers.control.verdicts import PushedVerdicts
 from sits_trace.analyzers.control.window import IntervalStats, StaticWindow
@@ -314,3 +315,25 @@ def test_the_agent_tees_spans_to_the_loop_and_exports_its_metrics() -> None:
     assert Agent(cfg, seen.append).control is None
     cfg.control = ControlConfig(socket_path="")  # the defaults: advise, plans CPU actions
     assert Agent(cfg, seen.append).control is not None
+
+
+def test_latency_table_takes_server_spans_by_service_with_their_pids() -> None:
+    """The loop's per-span input (compiled with the hot path): SERVER spans only, under the
+    executable's name, else the pid, else "?"; durations in ms; only int pids kept."""
+    def span(kind: str, ms: float, **attrs: Any) -> Span:
+        return Span("0" * 32, "1" * 16, None, "GET", kind, 1_000, 1_000 + int(ms * 1e6),
+                    attrs)
+    t = LatencyTable()
+    t.add_spans([span("SERVER", 5, **{"process.executable.name": "llm", "process.pid": 7}),
+                 span("CLIENT", 9, **{"process.executable.name": "llm", "process.pid": 7}),
+                 span("SERVER", 2.5, **{"process.executable.name": "llm", "process.pid": 8}),
+                 span("SERVER", 1, **{"process.pid": 42}),
+                 span("SERVER", 3, **{"process.pid": "x"}),
+                 span("SERVER", 4)])
+    t.add("llm", 7.0)
+    assert t.busiest() == "llm"
+    assert t.pids("llm") == {7, 8} and t.pids("42") == {42} and t.pids("x") == set()
+    assert t.take("llm") == [5.0, 2.5, 7.0]
+    assert t.take("llm") == []
+    assert t.take("42") == [1.0] and t.take("x") == [3.0] and t.take("?") == [4.0]
+    assert p95([]) is None and p95([float(i) for i in range(1, 101)]) == 95.0
