@@ -30,7 +30,8 @@ from sits_trace.agent.capture.loader import (
 )
 from sits_trace.agent.capture.probes import (
     TLS_LIBRARIES,
-    mapped_libraries,
+    libraries_in,
+    read_maps,
     ssl_executable,
     tracefs_root,
 )
@@ -238,12 +239,14 @@ class Agent:
         if self.kernel is None:
             return
         attached = self.kernel.attached_libraries()
+        root = self.procfs.root
+        maps = read_maps(pid, root)  # once for every question below (every traced pid, often)
         for short, probes in TLS_LIBRARIES:
-            for lib in mapped_libraries(pid, short, self.procfs.root):
+            for lib in libraries_in(maps, pid, short, root):
                 if lib not in attached:
                     self.kernel.attach_uprobes(lib, probes)
         if self.cfg.trace.tls:
-            exe = ssl_executable(pid, self.procfs.root)  # OpenSSL inside the program (node)
+            exe = ssl_executable(pid, root, maps)  # OpenSSL inside the program (node)
             if exe is not None and exe not in attached:
                 for _, probes in TLS_LIBRARIES:
                     self.kernel.attach_uprobes(exe, probes)

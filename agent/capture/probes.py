@@ -164,35 +164,76 @@ def _pids(proc_root: str) -> list[int]:
         return []
 
 
+def read_maps(pid: int, proc_root: str = "/proc") -> bytes:
+    """/proc/<pid>/maps as bytes (empty when the process is gone or hidden)."""
+    try:
+        with open(f"{proc_root}/{pid}/maps", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def libraries_in(maps: bytes, pid: int, short: str, proc_root: str = "/proc") -> list[str]:
+    """Files named like `short`.so* in `maps` (read_maps of `pid`), as paths on this host.
+
+    Every traced process is asked this every `trace.library_rescan_s`, for several
+    libraries, so a process that maps nothing of the name costs one substring search, and
+    a library's several mappings (one per segment) one path resolution, not one each
+    (docs/performance.md, session 34)."""
+    name = os.fsencode("/" + short)
+    if name not in maps:
+        return []
+    paths: dict[str, None] = {}
+    for raw in maps.split(b"\n"):
+        if name in raw:
+            line = os.fsdecode(raw)
+            paths[line.split(None, 5)[-1] if line.count(" ") >= 5 else ""] = None
+    out: dict[str, None] = {}
+    for path in paths:
+        base = os.path.basename(path)
+        if base.startswith(short + ".so") or base.startswith(short + "-"):
+            host_path = f"{proc_root}/{pid}/root{path}"
+            real = path if os.path.exists(path) else host_path
+            out[os.path.realpath(real)] = None
+    return list(out)
+
+
 def mapped_libraries(pid: int, short: str, proc_root: str = "/proc") -> list[str]:
     """Files named like `short`.so* that process `pid` maps (its own view of the path)."""
-    out: dict[str, None] = {}
-    try:
-        with open(f"{proc_root}/{pid}/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
-                base = os.path.basename(path)
-                if base.startswith(short + ".so") or base.startswith(short + "-"):
-                    host_path = f"{proc_root}/{pid}/root{path}"
-                    real = path if os.path.exists(path) else host_path
-                    out[os.path.realpath(real)] = None
-    except OSError:
-        pass
-    return list(out)
+    return libraries_in(read_maps(pid, proc_root), pid, short, proc_root)
 
 
 _SHT_DYNSYM = 11
 _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym: name, info, other, shndx, value, size
 
 
+_EXPORTS_MAX = 256
+_exports: dict[tuple[str, str, int, int, int, int], bool] = {}
+
+
 def elf_exports(path: str, symbol: str) -> bool:
     """Does the ELF64 file define `symbol` in its dynamic symbol table? (A program that
-    links OpenSSL statically and exports it, as node does, is probed like libssl.)"""
+    links OpenSSL statically and exports it, as node does, is probed like libssl.)
+
+    Remembered per file (device, inode, size, mtime): every library rescan asks it of each
+    traced process that maps no libssl, and reading node's symbol table takes ~10 ms."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    key = (path, symbol, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _exports.get(key)
+    if known is not None:
+        return known
     try:
         with open(path, "rb") as f:
-            return _defines(f, symbol.encode())
+            found = _defines(f, symbol.encode())
     except (OSError, ValueError, struct.error):
-        return False
+        found = False
+    if len(_exports) >= _EXPORTS_MAX:
+        _exports.clear()
+    _exports[key] = found
+    return found
 
 
 def _defines(f: BinaryIO, name: bytes) -> bool:
@@ -228,9 +269,12 @@ def _exe_path(pid: int, proc_root: str) -> str | None:
     return os.path.realpath(real)
 
 
-def ssl_executable(pid: int, proc_root: str = "/proc") -> str | None:
-    """The program of `pid` when it maps no libssl but exports SSL_read itself."""
-    if mapped_libraries(pid, "libssl", proc_root):
+def ssl_executable(pid: int, proc_root: str = "/proc", maps: bytes | None = None) -> str | None:
+    """The program of `pid` when it maps no libssl but exports SSL_read itself (`maps`:
+    its read_maps, when the caller has it already)."""
+    if maps is None:
+        maps = read_maps(pid, proc_root)
+    if libraries_in(maps, pid, "libssl", proc_root):
         return None
     exe = _exe_path(pid, proc_root)
     return exe if exe is not None and elf_exports(exe, "SSL_read") else None
