@@ -14,12 +14,6 @@ from collections.abc import Sequence
 from sits_trace.agent.model import Span
 
 
-def span_service(span: Span) -> str:
-    """The service a span is counted under: its executable's name, else its pid."""
-    name = span.attributes.get("process.executable.name")
-    return str(name) if name is not None else str(span.attributes.get("process.pid", "?"))
-
-
 def p95(values: Sequence[float]) -> float | None:
     if not values:
         return None
@@ -42,8 +36,8 @@ class LatencyTable:
                 self._pids.setdefault(service, set()).add(pid)
 
     def add_spans(self, spans: list[Span]) -> None:
-        """Each SERVER span's duration under its service, and its pid: a tracer's batch
-        under one lock."""
+        """Each SERVER span's duration under its service (its executable's name, else its
+        pid), and its pid: a tracer's batch under one lock."""
         with self._lock:
             ms, pids = self._ms, self._pids
             for span in spans:
