@@ -1,7 +1,8 @@
 """Live RCA under a real fault: the bench workload (streamed completions, Azure-trace request
 sizes) traced by `sits-trace rca --json`, and a `stress-ng --cpu` competitor started in the
-server's session (autogroup scheduling: only then does it compete). The verdict that covers
-the fault must name cpu_starvation and a stress-ng process as the culprit."""
+server's session (autogroup scheduling: only then does it compete). The first verdict on a
+window the fault covers from its start must name cpu_starvation and a stress-ng process as
+the culprit."""
 
 from __future__ import annotations
 
@@ -113,7 +114,17 @@ def test_cpu_competitor_in_the_servers_session_is_named(tmp_path: Path) -> None:
     during = [v for v in rca.verdicts
               if v["window"]["end_unix_nano"] > t_fault and v["window"]["start_unix_nano"] < t_end]
     assert during, f"no verdict during the fault; all: {rca.verdicts}"
-    first = during[0]
+    # judged: the first window the competitor ran through. A window that straddles the
+    # fault's start judges a mix of before and after: printed, not judged (project CI once
+    # had ~1 s of the competitor in a 2-s window, a TTFT p95 of 106 ms against 10.9, and
+    # named the request mix, whose output sizes had risen 14% in it, over a run-queue wait
+    # the quiet half diluted: 0.33 -> 1.30 ms)
+    for v in during:
+        if v["window"]["start_unix_nano"] < t_fault:
+            print("straddling the fault's start:", json.dumps(v["causes"][:2]))
+    whole = [v for v in during if v["window"]["start_unix_nano"] >= t_fault]
+    assert whole, f"no verdict on a window inside the fault; during: {during}"
+    first = whole[0]
     top = first["causes"][0]
     print("first verdict in the fault:", json.dumps(first["causes"][:2]))
     assert top["cause"] == "cpu_starvation", json.dumps(first)
