@@ -215,9 +215,10 @@ def test_spans_and_metrics_carry_node_signals(net: Netns, tmp_path: Path) -> Non
         # the span's window (its write's exit to its last read's exit) lies inside the
         # client's two schedstat reads, give or take a few lines of Python and sched.c's own
         # error against schedstat (test_sched_signals.py holds it; seen here: 2.3 ms over
-        # 26 ms, and once in a clean-clone CI run 25.1 ms against 17.2): one request
-        # within half its wait and 5 ms, the ten together within 10% (below)
-        assert abs(delay_ns - r["runq_ns"]) <= 0.5 * r["runq_ns"] + 5_000_000, \
+        # 26 ms). Once a clean-clone CI run read 25.1 ms against 17.2: sched.c then counted a
+        # wait from a wakeup that found the thread still on its CPU (fixed; the napping
+        # thread of test_sched_signals.py shows it)
+        assert abs(delay_ns - r["runq_ns"]) <= 0.15 * r["runq_ns"] + 5_000_000, \
             (r, a["sits.cpu.runq_delay_us"])
         waited += r["runq_ns"]
         ours += delay_ns

@@ -32,25 +32,31 @@ from sits_trace.agent.model import (
 from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.sched import SchedSignals
 
-# SPIN threads hash (GIL released) for SECONDS once told to, then block; a server thread answers
+# SPIN threads hash (GIL released) for SECONDS once told to, then block, and one more does the
+# same with a 1-us nap after each hash (a sleep that often ends before the thread has left its
+# CPU: its wakeup must not start a wait); a server thread answers
 # each request after hashing for 0.3 s, printing its schedstat just after the read and just
 # before the write
 WORKLOAD = r'''
-import hashlib, socket, sys, threading, time
+import ctypes, hashlib, socket, sys, threading, time
 SPIN, SECONDS = int(sys.argv[1]), float(sys.argv[2])
 go, done = threading.Event(), threading.Event()
 buf = b"x" * (1 << 20)
 def schedstat():
     return open("/proc/thread-self/schedstat").read().split()
-def spin():
+def spin(nap):
+    if nap:  # timer slack 1 ns: a nap's timer can fire before the thread has left its CPU
+        ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK
     go.wait()
     end = time.monotonic() + SECONDS
     while time.monotonic() < end:
         hashlib.sha256(buf).digest()
+        if nap:
+            time.sleep(1e-6)
     done.wait()
 tids = []
-for _ in range(SPIN):
-    t = threading.Thread(target=spin, daemon=True); t.start()
+for i in range(SPIN + 1):  # the last one naps 1 us after each hash
+    t = threading.Thread(target=spin, args=(i == SPIN,), daemon=True); t.start()
 srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
 def serve():
     while True:
