@@ -5,14 +5,19 @@
  * tcp:tcp_retransmit_skb      retransmitted segments (err == 0: what TcpRetransSegs counts)
  * tcp:tcp_retransmit_synack   retransmitted SYN-ACKs (also in TcpRetransSegs)
  * tcp:tcp_send_reset          RSTs sent (TcpOutRsts)
- * tcp:tcp_receive_reset       RSTs accepted by a socket
+ * tcp:tcp_receive_reset       RSTs accepted by a socket (counted per connection once it has an
+ *                             entry: established or carrying segments while watched)
  * tcp:tcp_probe               smoothed RTT (srtt) on every segment received in ESTABLISHED
  *
  * Counters live in the kernel: per connection in `tcp_conns` (LRU, keyed by 4-tuple, local
  * side first, IPv4 as v4-mapped IPv6, so the agent finds the counters of a span's connection),
  * node totals in `tcp_totals`, TIME_WAIT entries per port in `tcp_tw_ports`. Retransmits and
  * resets, rare events, are also sent as EV_TCP_EVENT records so the agent can place them inside
- * a span's time window. Cost: one hash lookup/update per event, and per received segment for
+ * a span's time window: at most SITS_TCP_EVENTS_PER_S a CPU a second (the rest are counted,
+ * TT_EVENTS_UNSENT), and no reset of a segment that found no live connection (a port nobody
+ * listens on, TIME_WAIT, a half-open request socket: outside every span; counted only). A
+ * client retrying a dead port made ~40k such resets a second, and the agent spent half a core
+ * decoding them. Cost: one hash lookup/update per event, and per received segment for
  * tcp_probe. No kernel struct is read. Uses sockio.h's `connect_inflight` (filled by http.c).
  */
 #include "events.h"
@@ -35,6 +40,9 @@
 #endif
 #ifndef SITS_TCP_RST_REASON
 #define SITS_TCP_RST_REASON 0 /* 1: tcp_send_reset has `enum sk_rst_reason reason` */
+#endif
+#ifndef SITS_TCP_EVENTS_PER_S
+#define SITS_TCP_EVENTS_PER_S 4096 /* EV_TCP_EVENT records a CPU may send in a second (2^30 ns) */
 #endif
 
 #if SITS_TCP_RST_REASON
@@ -66,6 +74,7 @@ enum sits_tcp_total { /* index of tcp_totals */
     TT_CLOSE = 7,        /* an established connection reached CLOSE */
     TT_TIME_WAIT = 8,    /* entries into TIME_WAIT */
     TT_RTT_SAMPLES = 9,  /* tcp_probe hits */
+    TT_EVENTS_UNSENT = 10, /* retransmits and resets not sent as records: over the rate */
     TT_MAX = 16,
 };
 
@@ -128,6 +137,8 @@ BPF_TABLE("lru_hash", __u64, struct tcp_key, tcp_fd_conns, SITS_MAX_CONNS);
 BPF_TABLE("lru_hash", __u64, __u64, tcp_sk_fd, 10240);
 BPF_HASH(tcp_tw_ports, struct tw_key, __u64, 4096);
 BPF_PERCPU_ARRAY(tcp_totals, __u64, TT_MAX);
+/* this CPU's EV_TCP_EVENT records: [0] the second (ns >> 30) they count in, [1] how many */
+BPF_PERCPU_ARRAY(tcp_ev_rate, __u64, 2);
 BPF_HISTOGRAM(tcp_lifetime_us, int, 64); /* log2 buckets of ESTABLISHED -> CLOSE */
 #ifdef SITS_LAYOUT_CHECK
 BPF_ARRAY(layout_tcp_event, struct tcp_event, 1); /* lets a test read BCC's view of the record */
@@ -194,12 +205,35 @@ static __always_inline struct tcp_conn *conn_get(struct tcp_key *k, int create)
     return tcp_conns.lookup(k);
 }
 
+/* room for one more record this second on this CPU? (per CPU: no atomics, no sharing) */
+static __always_inline int tcp_ev_room(__u64 now)
+{
+    int i0 = 0, i1 = 1;
+    __u64 *sec = tcp_ev_rate.lookup(&i0);
+    __u64 *n = tcp_ev_rate.lookup(&i1);
+    if (!sec || !n)
+        return 0;
+    if (*sec != now >> 30) {
+        *sec = now >> 30;
+        *n = 0;
+    }
+    if (*n >= SITS_TCP_EVENTS_PER_S) {
+        tcp_total(TT_EVENTS_UNSENT);
+        return 0;
+    }
+    (*n)++;
+    return 1;
+}
+
 static __always_inline void emit_tcp(struct tcp_key *k, __u8 type, __u32 state, __u16 reason)
 {
+    __u64 now = bpf_ktime_get_ns();
+    if (!tcp_ev_room(now))
+        return;
     struct tcp_event ev = {};
     ev.kind = EV_TCP_EVENT;
     ev.state = state;
-    ev.ts_ns = bpf_ktime_get_ns();
+    ev.ts_ns = now;
     ev.key = *k;
     ev.type = type;
     ev.reason = reason;
@@ -269,7 +303,10 @@ TRACEPOINT_PROBE(tcp, tcp_send_reset)
         c->rst_pending = 1;
     }
     tcp_total(TT_RST_OUT);
-    emit_tcp(&k, TCP_EV_RST_OUT, state, reason);
+    /* a reset from no live connection (no socket: a port nobody listens on; TIME_WAIT; a
+     * request socket) is outside every span: counted, not sent. CLOSE is sent: an abort */
+    if (live || state == ST_CLOSE)
+        emit_tcp(&k, TCP_EV_RST_OUT, state, reason);
     return 0;
 }
 #endif
@@ -279,15 +316,17 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
 {
     struct tcp_key k = {};
     key_from_v6(&k, args->saddr_v6, args->daddr_v6, args->sport, args->dport);
-    struct tcp_conn *c = conn_get(&k, 1);
-    __u32 state = 0;
-    if (c) {
-        c->resets_in++;
-        c->rst_pending = 1;
-        state = c->state;
-    }
+    /* no entry: the connection was never established nor received a segment while we
+     * watched (a connect() refused: SYN_SENT); outside every span, and a client retrying a
+     * dead port would otherwise make an entry per attempt and push live ones out of the LRU;
+     * an entry of a connection that closed is an earlier one on the same 4-tuple */
+    struct tcp_conn *c = conn_get(&k, 0);
     tcp_total(TT_RST_IN);
-    emit_tcp(&k, TCP_EV_RST_IN, state, 0);
+    if (!c || c->closed_ns)
+        return 0;
+    c->resets_in++;
+    c->rst_pending = 1;
+    emit_tcp(&k, TCP_EV_RST_IN, c->state, 0);
     return 0;
 }
 #endif

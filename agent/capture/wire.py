@@ -277,6 +277,7 @@ class TcpTotal(enum.IntEnum):
     CLOSES = 7
     TIME_WAIT_ENTRIES = 8
     RTT_SAMPLES = 9
+    EVENTS_UNSENT = 10  # retransmit/reset records over tcp.c's SITS_TCP_EVENTS_PER_S, counted only
 
 
 class TcpState(enum.IntEnum):
@@ -467,6 +468,7 @@ ENUMS: Mapping[str, CEnum] = {
         "TT_RST_IN": TcpTotal.RESETS_IN, "TT_OPEN_ACTIVE": TcpTotal.OPENS_ACTIVE,
         "TT_OPEN_PASSIVE": TcpTotal.OPENS_PASSIVE, "TT_CLOSE": TcpTotal.CLOSES,
         "TT_TIME_WAIT": TcpTotal.TIME_WAIT_ENTRIES, "TT_RTT_SAMPLES": TcpTotal.RTT_SAMPLES,
+        "TT_EVENTS_UNSENT": TcpTotal.EVENTS_UNSENT,
     }, ("TT_MAX",)),
     "cuda_dir": _prefixed("cuda.c", "CD_", CopyDir),
     "cuda_api": _prefixed("cuda.c", "CA_", CudaApi),
