@@ -58,6 +58,11 @@ class TraceConfig:
     # seconds between looks at the libraries of processes with traced connections (a libssl
     # dlopen()ed late gets its TLS probes within this long)
     library_rescan_s: float = 10.0
+    # a connection found to carry no HTTP (another protocol: a cache, a database, gRPC; a
+    # tunnel or WebSocket after its upgrade; TLS from a library the agent cannot probe) is
+    # no longer sent by the kernel, only counted (conns_muted): its bytes cost the agent and
+    # its load shedding would have dropped real requests' spans
+    mute_non_http: bool = True
     # query-string keys whose values every output shows as REDACTED ([] turns it off)
     redact_query_keys: list[str] = field(default_factory=lambda: list(DEFAULT_QUERY_KEYS))
 

@@ -186,6 +186,8 @@ class Agent:
             on_process_exec=self._on_exec, on_process_exit=self._on_process_exit,
             idle_ns=int(t.idle_timeout_s * 1e9), shedding=lambda: shedding(kernel, shedder),
         )
+        if t.mute_non_http:
+            self.tracer.mute = self.kernel.mute_conn
         self.node = NodeSignals.from_kernel(self.kernel, proc_root=self.procfs.root)
         with_conns: set[int] = set()
         register = self.kernel.register_conn
@@ -396,5 +398,6 @@ def format_stats_lines(stats: AgentStats) -> Sequence[str]:
          f"conns_expired={s.count('conns_expired')} conns_replaced={s.count('conns_replaced')} "
          f"conns_active={s.count('conns_active')} dribbles={s.count('dribbles')} "
          f"orphan_data={s.count('orphan_data')} "
-         f"orphan_responses={s.parser_count('orphan_responses')}"),
+         f"orphan_responses={s.parser_count('orphan_responses')} "
+         f"conns_muted={s.count('conns_muted')}"),
     ]

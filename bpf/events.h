@@ -190,7 +190,9 @@ struct conn_state {
     __u8 agg;      /* a streamed response is being folded in `streams` (stream.h) */
     __u8 tail;     /* this read/write is past SITS_BODY_HEAD bytes of its request: tail only */
     __u8 fold;     /* reads of a long request body are being folded in `body_folds` (fold.h) */
-    __u8 _pad[5];
+    __u8 mute;     /* set by the agent: no HTTP here (another protocol, a tunnel, TLS nobody
+                    * probes); its reads and writes are counted, never sent (http.c) */
+    __u8 _pad[4];
     __u64 run;     /* bytes moved in the exchange's current direction, this transfer's included */
 };
 

@@ -434,6 +434,8 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
             note_read_prefix(a.conn, a.buf, a.iovcnt);
         return 0;
     }
+    if (st->mute)
+        return 0;
     int first = st->last_dir != dir + 1;
     if (dir == 0)
         stream_end(a.conn, st, STREAM_END_NEXT);

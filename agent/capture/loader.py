@@ -36,6 +36,7 @@ from .probes import (
 from .ringbuf import MmapRing
 from .shedding import LoadShedder
 
+_BPF_EXIST = 2  # bpf_map_update_elem: only replace an element that is there
 
 class EventSource(Protocol):
     def read(self, timeout_ms: int) -> list[bytes]:
@@ -122,6 +123,24 @@ class Kernel:
         leaf.role = role
         table[table.Key((pid << 32) | fd)] = leaf
         self._mark_conns(pid)
+
+    def mute_conn(self, pid: int, fd: int, conn_id: int) -> bool:
+        """Send nothing more of this connection's reads and writes (conn_state.mute): the
+        agent found no HTTP on it. Only while (pid, fd) is still the connection `conn_id`,
+        and never re-creating an entry that went away meanwhile (BPF_EXIST)."""
+        table = self.bpf["conns"]
+        key = table.Key((pid << 32) | fd)
+        try:
+            leaf = table[key]
+        except KeyError:
+            return False
+        if int(leaf.conn_id) != conn_id:
+            return False
+        leaf.mute = 1
+        from bcc.libbcc import lib  # noqa: PLC0415 - BCC only where the kernel is loaded
+
+        return int(lib.bpf_update_elem(table.map_fd, ctypes.byref(key), ctypes.byref(leaf),
+                                       _BPF_EXIST)) == 0
 
     def _mark_conns(self, pid: int) -> None:
         """Set the process's bit in `conn_tgids` (bpf/events.h): its reads and writes are

@@ -176,7 +176,8 @@ class ConnStateC(ctypes.Structure):
         ("agg", ctypes.c_uint8),
         ("tail", ctypes.c_uint8),
         ("fold", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 5),
+        ("mute", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 4),
         ("run", ctypes.c_uint64),
     ]
 

@@ -66,6 +66,12 @@ _LOST = 8  # chunked framing lost in uncaptured bytes: count until the message v
 _RESYNC = 9  # dropping bytes until a plausible start line (h.buf: tail of the last line)
 _IGNORE = 10  # not HTTP any more (after 101 Switching Protocols or CONNECT)
 _TLS = 11  # began with TLS-looking bytes: skipped, unless a chunk begins with a start line
+# a connection is `opaque` (no HTTP to find: the agent tells the kernel to stop sending it)
+# once both halves are _IGNORE, or when, with no exchange ever, this many chunks left a half
+# resyncing (another protocol: a cache, a database, gRPC) or in TLS (a library not probed);
+# TLS waits longer: a handshake's records come before a probed library's plaintext
+_OPAQUE_AFTER = 32
+_OPAQUE_TLS_AFTER = 64
 # headers kept whatever the header count (trace and request identity)
 IDENTITY_HEADERS = frozenset({"x-request-id", "traceparent", "tracestate", "x-correlation-id",
                               "x-b3-traceid", "b3", "x-amzn-trace-id", "request-id"})
@@ -161,8 +167,10 @@ class HttpConnParser:
         "_awaiting",
         "_conn",
         "_emit",
+        "_emitted",
         "_halves",
         "_in",
+        "_junk",
         "_last_ns",
         "_max_header_bytes",
         "_max_headers",
@@ -170,6 +178,7 @@ class HttpConnParser:
         "_order",
         "_out",
         "conn",
+        "opaque",
         "stats",
     )
 
@@ -196,6 +205,9 @@ class HttpConnParser:
         self._awaiting: deque[_Pending] = deque()  # requests with no response head yet
         self._last_ns: int = conn.opened_ns
         self._off = False  # closed, or TLS ciphertext
+        self._emitted = 0  # exchanges emitted
+        self._junk = 0  # chunks that left a half resyncing, ignored or in TLS
+        self.opaque = False  # no HTTP to find here (see _OPAQUE_AFTER)
 
     # ---- public ----
 
@@ -208,6 +220,7 @@ class HttpConnParser:
             data = chunk.data
             self._last_ns = chunk.ts_exit_ns
             if h.fresh and data and self._is_tls(h, data):
+                self._lost_chunk(_TLS)
                 return
             end = len(data)
             pos = 0
@@ -251,9 +264,20 @@ class HttpConnParser:
                     pos = self._other_state(h, st, data, pos, chunk)
             if chunk.length > end and not chunk.tail:
                 self._uncaptured(h, chunk.length - end, chunk)
+            st = h.state
+            if st == _RESYNC or st == _TLS or st == _IGNORE:
+                self._lost_chunk(st)
         except Exception:  # noqa: BLE001 - a parser bug must not stop the pipeline
             self.stats.internal_errors += 1
             self._recover()
+
+    def _lost_chunk(self, st: int) -> None:
+        """A chunk left a half with nothing to parse: is the connection `opaque`?"""
+        self._junk += 1
+        if st == _IGNORE:
+            self.opaque = self._in.state == _IGNORE and self._out.state == _IGNORE
+        elif not self._emitted:
+            self.opaque = self._junk >= (_OPAQUE_TLS_AFTER if st == _TLS else _OPAQUE_AFTER)
 
     def feed_stream(self, s: StreamChunk) -> None:
         """Body writes the kernel folded into one summary (bpf/stream.h): counted exactly
@@ -864,6 +888,7 @@ class HttpConnParser:
                 return
             order.popleft()
             self.stats.exchanges += 1
+            self._emitted += 1
             try:
                 self._emit(Exchange(self._conn, p.request, p.response, p.error))
             except Exception:  # noqa: BLE001 - the consumer's bug must not corrupt our state

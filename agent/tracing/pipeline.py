@@ -59,6 +59,7 @@ class TracerStats:
     conns_expired: int = 0  # idle connections whose fd is gone (their close was lost)
     capture_shift: int = 0  # load shedding: the kernel captures one exchange in 2**shift
     exchanges_shed: int = 0  # exchanges the kernel skipped (counted, not traced)
+    conns_muted: int = 0  # connections with no HTTP whose bytes the kernel stopped sending
     parser: ParserStats = field(default_factory=ParserStats)
 
 
@@ -67,6 +68,7 @@ class _Conn:
     info: ConnInfo
     parser: HttpConnParser
     checked_ns: int = 0  # when /proc last showed its fd open (idle expiry)
+    muted: bool = False  # its parser found no HTTP: the kernel was asked to stop sending it
 
 
 class Tracer:
@@ -117,6 +119,9 @@ class Tracer:
         # to the sink (e.g. a printer writing out the lines it held: one write per batch)
         self.poll_observers: list[Callable[[], None]] = []
         self._batch: list[Span] | None = None  # spans of the batch process() is parsing
+        # (pid, fd, conn_id) -> whether the kernel will send no more of the connection's
+        # reads and writes (Kernel.mute_conn); None: every byte keeps coming
+        self.mute: Callable[[int, int, int], bool] | None = None
 
     # ---- driving ----
 
@@ -385,8 +390,25 @@ class Tracer:
         elif ev.gap:
             c.parser.gap()
         c.info.sample_shift = ev.sample_shift
-        c.parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length,
-                            ev.tail))
+        parser = c.parser
+        parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length,
+                          ev.tail))
+        if parser.opaque and not c.muted:
+            self._mute(c)
+
+    def _mute(self, c: _Conn) -> None:
+        """No HTTP on this connection (another protocol, a tunnel, TLS nobody probes): ask
+        the kernel to stop sending its bytes, once. Not for TLS plaintext (uprobes: the mute
+        is on the socket path only) nor a connection the kernel does not know by fd."""
+        c.muted = True
+        info = c.info
+        if self.mute is None or info.tls or not info.conn_id or info.fd < 0:
+            return
+        try:
+            if self.mute(info.pid, info.fd, info.conn_id):
+                self.stats.conns_muted += 1
+        except Exception:  # noqa: BLE001 - a map the kernel refused: the bytes keep coming
+            pass
 
     def _on_stream(self, ev: StreamEvent) -> None:
         """A streamed response's body writes, folded in the kernel (bpf/stream.h)."""

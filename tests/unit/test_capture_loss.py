@@ -237,3 +237,25 @@ def test_mirror_offsets_cover_the_flags() -> None:
     assert DATA_LOST & 0x1F == 0 and DATA_LOST & DATA_GAP == 0
     assert DATA_TAIL & (0x1F | DATA_GAP | DATA_LOST) == 0
     assert ctypes.sizeof(ConnEventC) > 0
+
+
+def test_a_connection_with_no_http_is_muted_once_and_http_ones_never(tmp_path: Path) -> None:
+    t, spans = tracer(tmp_path)
+    calls: list[tuple[int, int, int]] = []
+
+    def mute(pid: int, fd: int, conn_id: int) -> bool:
+        calls.append((pid, fd, conn_id))
+        return True
+
+    t.mute = mute
+    t.process([conn_rec(Kind.CONN_OPEN, 1), conn_rec(Kind.CONN_OPEN, 2, fd=FD + 1)])
+    redis = b"*3\r\n$3\r\nSET\r\n$3\r\nkey\r\n$5\r\nvalue\r\n"
+    for i in range(40):  # another protocol on connection 1, HTTP on connection 2
+        t.process([data_rec(1, IN, redis, ts=10 * i), data_rec(1, OUT, b"+OK\r\n", ts=10 * i + 5),
+                   data_rec(2, IN, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", fd=FD + 1, ts=10 * i),
+                   data_rec(2, OUT, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", fd=FD + 1,
+                            ts=10 * i + 5)])
+    assert calls == [(PID, FD, 1)]  # once, at the 32nd chunk, by (pid, fd, conn_id)
+    assert t.stats.conns_muted == 1
+    assert len(spans) == 40 and all(s.attributes["http.response.status_code"] == 200
+                                    for s in spans)

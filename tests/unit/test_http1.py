@@ -882,3 +882,49 @@ def test_an_upload_answered_early_then_the_next_request_on_its_connection(
     assert [summary(e) for e in run.out] == [("POST", "/upload", size, 201, 7, None),
                                              ("GET", "/after", 0, 200, 2, None)]
     assert (run.stats.malformed, run.stats.internal_errors) == (0, 0)
+
+
+# ---- opaque connections (trace.mute_non_http) ----
+
+REDIS_SET = b"*3\r\n$3\r\nSET\r\n$3\r\nkey\r\n$5\r\nvalue\r\n"
+
+
+def test_another_protocol_is_opaque_after_32_chunks_with_no_exchange() -> None:
+    run = new()
+    for i in range(15):
+        run.feed(req(REDIS_SET), resp(b"+OK\r\n"))
+        assert not run.parser.opaque, i
+    run.feed(req(REDIS_SET))
+    assert not run.parser.opaque  # 31 chunks
+    run.feed(resp(b"+OK\r\n"))
+    assert run.parser.opaque and run.out == []
+
+
+def test_a_connection_that_carried_an_exchange_is_never_opaque_by_junk() -> None:
+    run = new().feed(req(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+                     resp(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"))
+    assert len(run.out) == 1
+    for _ in range(100):
+        run.feed(req(REDIS_SET), resp(b"+OK\r\n"))
+    assert not run.parser.opaque and run.stats.malformed > 0
+
+
+def test_an_upgraded_connection_is_opaque_once_both_halves_ignore_it() -> None:
+    run = new().feed(
+        req(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
+        resp(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n"))
+    assert [e.response.status for e in run.out if e.response] == [101]
+    assert run.parser.opaque  # the 101 traced first; the frames after it are not HTTP
+    run = new().feed(req(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n"),
+                     resp(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"))
+    assert not run.parser.opaque
+
+
+def test_tls_nobody_decrypts_is_opaque_after_64_chunks() -> None:
+    record = b"\x17\x03\x03\x00\x20" + bytes(32)  # application data
+    run = new().feed(req(b"\x16\x03\x01\x00\x05hello"), resp(b"\x16\x03\x03\x00\x05hello"))
+    for _ in range(30):
+        run.feed(req(record), resp(record))
+    assert not run.parser.opaque  # 62 chunks: a handshake and more, not yet
+    run.feed(req(record), resp(record))
+    assert run.parser.opaque
