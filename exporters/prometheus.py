@@ -53,6 +53,9 @@ _TRACER_COUNTERS = (  # AgentStats.count() key -> metric, help
     ("exchanges_shed", "sits_exchanges_shed",
      "HTTP exchanges the kernel counted but did not capture while the agent shed load "
      "(trace.cpu_budget); RED histograms re-weight the captured ones."),
+    ("conns_muted", "sits_connections_muted",
+     "Connections found to carry no HTTP whose bytes the kernel no longer sends "
+     "(trace.mute_non_http)."),
 )
 
 

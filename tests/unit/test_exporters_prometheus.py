@@ -123,7 +123,7 @@ def test_shed_spans_are_reweighted(unused_port: int) -> None:
     # spans captured as 1 in 8 (and 1 in 2) while the kernel shed load: the histogram counts
     # the requests they stand for, and the kernel's count of skipped exchanges is exported
     stats = {**AGENT_STATS, "tracer": {**AGENT_STATS["tracer"], "exchanges_shed": 9,
-                                       "capture_shift": 3}}
+                                       "capture_shift": 3, "conns_muted": 2}}
     exp = PrometheusExporter(unused_port)
     try:
         exp.attach_agent(lambda: AgentStats.from_json(stats))
@@ -139,4 +139,5 @@ def test_shed_spans_are_reweighted(unused_port: int) -> None:
     assert abs(value(m, h + "_sum", http_route="/v1/completions") - 11 * 0.25) < 1e-9
     assert value(m, h + "_bucket", le="0.25", http_route="/v1/completions") == 11
     assert value(m, "sits_exchanges_shed_total") == 9
+    assert value(m, "sits_connections_muted_total") == 2
     assert value(m, "sits_capture_shift") == 3
