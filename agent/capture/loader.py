@@ -38,6 +38,7 @@ from .shedding import LoadShedder
 
 _BPF_EXIST = 2  # bpf_map_update_elem: only replace an element that is there
 
+
 class EventSource(Protocol):
     def read(self, timeout_ms: int) -> list[bytes]:
         """Records that arrived, waiting at most timeout_ms for the first."""
