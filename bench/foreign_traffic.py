@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # the sibling bench: nginx and agent helpers
+from faults.netns import parse_proc_net
 
 
 def trace(sits: str, pid: int) -> subprocess.Popen[str]:
@@ -42,10 +43,8 @@ def trace(sits: str, pid: int) -> subprocess.Popen[str]:
 
 
 def out_rsts() -> int:
-    """TcpOutRsts from /proc/net/snmp (a header line, then a line of values)."""
-    head, values = (ln.split()[1:] for ln in Path("/proc/net/snmp").read_text().splitlines()
-                    if ln.startswith("Tcp:"))
-    return int(dict(zip(head, values, strict=True))["OutRsts"])
+    """TcpOutRsts of this network namespace (/proc/net/snmp)."""
+    return parse_proc_net(Path("/proc/net/snmp").read_text(), "Tcp")["OutRsts"]
 
 
 def dead_port(sits: str, seconds: float) -> str:

@@ -137,8 +137,12 @@ BPF_TABLE("lru_hash", __u64, struct tcp_key, tcp_fd_conns, SITS_MAX_CONNS);
 BPF_TABLE("lru_hash", __u64, __u64, tcp_sk_fd, 10240);
 BPF_HASH(tcp_tw_ports, struct tw_key, __u64, 4096);
 BPF_PERCPU_ARRAY(tcp_totals, __u64, TT_MAX);
-/* this CPU's EV_TCP_EVENT records: [0] the second (ns >> 30) they count in, [1] how many */
-BPF_PERCPU_ARRAY(tcp_ev_rate, __u64, 2);
+/* this CPU's EV_TCP_EVENT records in the current second (ns >> 30) */
+struct tcp_ev_rate_t {
+    __u64 sec;
+    __u64 n;
+};
+BPF_PERCPU_ARRAY(tcp_ev_rate, struct tcp_ev_rate_t, 1);
 BPF_HISTOGRAM(tcp_lifetime_us, int, 64); /* log2 buckets of ESTABLISHED -> CLOSE */
 #ifdef SITS_LAYOUT_CHECK
 BPF_ARRAY(layout_tcp_event, struct tcp_event, 1); /* lets a test read BCC's view of the record */
@@ -208,20 +212,19 @@ static __always_inline struct tcp_conn *conn_get(struct tcp_key *k, int create)
 /* room for one more record this second on this CPU? (per CPU: no atomics, no sharing) */
 static __always_inline int tcp_ev_room(__u64 now)
 {
-    int i0 = 0, i1 = 1;
-    __u64 *sec = tcp_ev_rate.lookup(&i0);
-    __u64 *n = tcp_ev_rate.lookup(&i1);
-    if (!sec || !n)
+    int zero = 0;
+    struct tcp_ev_rate_t *r = tcp_ev_rate.lookup(&zero);
+    if (!r)
         return 0;
-    if (*sec != now >> 30) {
-        *sec = now >> 30;
-        *n = 0;
+    if (r->sec != now >> 30) {
+        r->sec = now >> 30;
+        r->n = 0;
     }
-    if (*n >= SITS_TCP_EVENTS_PER_S) {
+    if (r->n >= SITS_TCP_EVENTS_PER_S) {
         tcp_total(TT_EVENTS_UNSENT);
         return 0;
     }
-    (*n)++;
+    r->n++;
     return 1;
 }
 

@@ -396,8 +396,8 @@ class Topology:
     def snmp(self, side: Side) -> dict[str, int]:
         """That netns's TCP counters: `Tcp:` of /proc/net/snmp and `TcpExt:` of netstat."""
         with in_netns(self.ns_of(side)):
-            out = _parse_proc_net(Path("/proc/thread-self/net/snmp").read_text(), "Tcp")
-            out.update(_parse_proc_net(Path("/proc/thread-self/net/netstat").read_text(),
+            out = parse_proc_net(Path("/proc/thread-self/net/snmp").read_text(), "Tcp")
+            out.update(parse_proc_net(Path("/proc/thread-self/net/netstat").read_text(),
                                        "TcpExt"))
         return out
 
@@ -472,7 +472,7 @@ def _terminate(p: subprocess.Popen[bytes], group: bool, grace: float = 3.0) -> N
         p.wait(5)
 
 
-def _parse_proc_net(text: str, prefix: str) -> dict[str, int]:
+def parse_proc_net(text: str, prefix: str) -> dict[str, int]:
     """The header/value line pair of /proc/net/snmp-style text whose tag is `prefix:`."""
     lines = [ln.split() for ln in text.splitlines() if ln.startswith(prefix + ":")]
     if len(lines) < 2:

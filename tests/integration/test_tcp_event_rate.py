@@ -23,6 +23,8 @@ from sits_trace.agent.capture.events import Kind
 from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.tcp import TcpSignals, TcpTuple, decode_tcp_event
 
+from .harness import free_port
+
 pytestmark = pytest.mark.bpf
 
 RATE = 20
@@ -60,12 +62,6 @@ def tcp_records(ring: loader.RingSource, port: int = 0) -> int:
 def entries_with_port(kernel: loader.Kernel, port: int) -> int:
     return sum(port in (t.local_port, t.remote_port)
                for t in (TcpTuple.from_key(k) for k, _ in BccMaps(kernel.bpf).items("tcp_conns")))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_refused_connects_are_counted_and_not_sent(kernel: loader.Kernel) -> None:
