@@ -41,7 +41,7 @@ def main() -> int:
     shedder = ring_shedder(kernel, src, default_cpu_budget())  # as the agent's loop does
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print("tracing (kernel only)", file=sys.stderr, flush=True)
+    print("sits-trace: tracing; kernel only", file=sys.stderr, flush=True)  # overhead.TRACE_READY
     n = size = 0
     while not stop.is_set():
         shedder.tick()

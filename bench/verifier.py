@@ -1,6 +1,7 @@
 """How much of the kernel verifier's budget each probe program takes (run as root).
 
-    .venv/bin/python bench/verifier.py            # http.c's tracepoints and tls.c's uprobes
+    .venv/bin/python bench/verifier.py                 # http.c's tracepoints and tls.c's uprobes
+    .venv/bin/python bench/verifier.py --exit-args 0   # reads and writes at enter and exit
 
 The verifier walks every path of a program, up to 1,000,000 instructions; a program near that
 fails to load after a small change elsewhere (an inlined helper, a new field). Prints, per
@@ -9,6 +10,7 @@ program, the instructions it verified (`verified_insns` of bpf_prog_info, kernel
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import sys
 from pathlib import Path
@@ -32,6 +34,11 @@ def verified_insns(fd: int) -> int:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--exit-args", type=int, choices=(0, 1), default=1,
+                    help="SITS_EXIT_ARGS: 1 as loaded on x86-64 (reads and writes traced at "
+                         "their exit alone), 0 the fallback")
+    args = ap.parse_args()
     try:
         from bcc import BPF
     except ImportError:
@@ -39,7 +46,7 @@ def main() -> int:
         return 2
     from sits_trace.agent.capture import bpfsrc
 
-    b = BPF(text=bpfsrc.program_text(["http.c", "tls.c"]), cflags=bpfsrc.cflags({}))
+    b = BPF(text=bpfsrc.program_text(["http.c", "tls.c"]), cflags=bpfsrc.cflags({"SITS_EXIT_ARGS": args.exit_args}))
     try:
         for name in ("sits_ssl_exit", "sits_bio_write", "sits_ssl_read_enter", "sits_ssl_set_bio"):
             b.load_func(name.encode(), BPF.KPROBE)

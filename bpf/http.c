@@ -4,6 +4,8 @@
  * read/readv/recvfrom/recvmsg and write/writev/sendto/sendmsg/sendfile on a
  * registered fd emit EV_DATA with up to SITS_MAX_PAYLOAD bytes of payload; close
  * emits EV_CONN_CLOSE. Reads and writes on any other fd cost one hash lookup.
+ * Reads and writes are traced at their exit alone where the kernel lets a program
+ * read the thread's saved registers (SITS_EXIT_ARGS), else at enter and exit.
  * No kernel struct is read (addresses come from the syscalls' own user
  * buffers), so the program needs no headers matching the running kernel.
  * While a thread is inside SSL_read/SSL_write (tls.c), the ciphertext it moves
@@ -13,6 +15,10 @@
 #include "sockio.h"
 #include "stream.h"
 #include "fold.h"
+
+#ifndef SITS_EXIT_ARGS
+#define SITS_EXIT_ARGS 0 /* the agent sets 1 on x86-64 kernels with bpf_task_pt_regs (5.15) */
+#endif
 
 #ifndef SITS_MAX_IOV
 #define SITS_MAX_IOV 32 /* node corks 4 iovecs a chunk; hyper writes up to 16 buffers */
@@ -238,6 +244,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
 
 /* ---- data ---- */
 
+#if !SITS_EXIT_ARGS
 static __always_inline int io_enter(int fd, __u64 buf, __u32 iovcnt, __u8 dir, __u8 src)
 {
     __u64 id = bpf_get_current_pid_tgid();
@@ -260,6 +267,7 @@ static __always_inline int io_enter(int fd, __u64 buf, __u32 iovcnt, __u8 dir, _
     t->io_active = 1;
     return 0;
 }
+#endif
 
 /* copy up to SITS_MAX_PAYLOAD bytes from an iovec array into ev->payload */
 static __always_inline __u64 copy_iov(struct data_event *ev, __u64 iov, __u32 iovcnt, __u64 total)
@@ -394,26 +402,14 @@ static __always_inline void tie_written_ssl(struct thread_io *t, struct conn_sta
  * program cannot take (a read never folds a write, a plain read never walks an iovec),
  * which keeps each program's verification well inside the verifier's budget (one program
  * for all took 556k of its 1M instructions at 727277a) */
-static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
+static __always_inline int io_done(__u64 id, long ret, struct io_args a, struct thread_io *t,
+                                   struct conn_state *st, const __u8 dir, const int vec)
 {
-    __u64 id = bpf_get_current_pid_tgid();
-    if (!has_conns(id >> 32))
-        return 0;
-    struct thread_io *t = thread_state(id, 0);
-    if (!t || !t->io_active)
-        return 0;
-    struct io_args a = t->io;
-    t->io_active = 0;
-    if (ret <= 0 || a.direction != dir || (!vec && a.iovcnt))
-        return 0; /* an enter this exit does not belong to (probes attached mid-call) */
-    struct conn_state *st = conns.lookup(&a.conn);
-    if (!st)
-        return 0;
     if (dir == 0)
         st->bytes_in += ret;
     else
         st->bytes_out += ret;
-    if (t->ssl_active) {
+    if (t && t->ssl_active) {
         /* ciphertext under SSL_read/SSL_write: learn SSL* -> conn, emit nothing */
         __u64 s = t->ssl.ssl;
         struct ssl_key sk = ssl_key_of(id >> 32, s);
@@ -423,9 +419,11 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
         return 0;
     }
     if (dir == 0) {
-        t->last_read_conn = a.conn;
-        t->last_read_len = (__u32)ret;
-    } else if (t->ssl.ssl && !st->tls && tls_record_at(a.buf, a.iovcnt)) {
+        if (t) {
+            t->last_read_conn = a.conn;
+            t->last_read_len = (__u32)ret;
+        }
+    } else if (t && t->ssl.ssl && !st->tls && tls_record_at(a.buf, a.iovcnt)) {
         tie_written_ssl(t, st, a.conn);
     }
     if (st->tls) {
@@ -520,13 +518,118 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
     return 0;
 }
 
+#define SITS_MSG_PEEK 2
+
+#if SITS_EXIT_ARGS
+/* Exit only: each read and write is one tracepoint, not two. An attached syscall
+ * tracepoint costs every process on the node ~100 ns a call whether its program returns at
+ * once or not (a load generator, a database beside the server), and the enter program was
+ * there only to keep the arguments until the exit. They are still in the thread's saved
+ * user registers when the syscall returns (x86-64: di, si, dx, r10; the return value goes
+ * to ax): read there. The cost: a transfer's start is not seen, so its enter time is its
+ * exit time (a write that blocked on a full socket buffer counts from when it returned). */
+struct sys_args {
+    __u64 r10, r9, r8, ax, cx, dx, si, di; /* struct pt_regs from r10 (offset 56) to di */
+};
+
+static __always_inline int sys_args_of(struct sys_args *r)
+{
+    struct task_struct *task = bpf_get_current_task_btf();
+    __u64 regs = (__u64)bpf_task_pt_regs(task);
+    if (!regs)
+        return -1;
+    return bpf_probe_read_kernel(r, sizeof(*r), (void *)(regs + 56));
+}
+
+/* peek: the flags argument's bit for MSG_PEEK is checked (0: none); msg: `buf` is a msghdr */
+static __always_inline int io_exit(long ret, const __u8 dir, const int vec, const __u8 src,
+                                   const int peek_in_r10, const int peek_in_dx, const int msg)
+{
+    if (ret <= 0)
+        return 0;
+    __u64 id = bpf_get_current_pid_tgid();
+    if (!has_conns(id >> 32))
+        return 0;
+    struct sys_args r = {};
+    if (sys_args_of(&r))
+        return 0;
+    __u64 key = conn_key(id >> 32, (int)r.di);
+    struct conn_state *st = conns.lookup(&key);
+    if (!st)
+        return 0;
+    if ((peek_in_r10 && (r.r10 & SITS_MSG_PEEK)) || (peek_in_dx && (r.dx & SITS_MSG_PEEK)))
+        return 0;
+    struct io_args a = {
+        .buf = r.si, .ts_ns = bpf_ktime_get_ns(), .conn = key,
+        .iovcnt = vec ? (__u32)r.dx : 0, .direction = dir, .source = src,
+    };
+    if (src == SRC_SENDFILE)
+        a.buf = 0;
+    if (msg) {
+        /* msghdr: msg_iov at offset 16, msg_iovlen at 24 */
+        __u64 iov = 0, iovlen = 0;
+        if (!r.si)
+            return 0;
+        bpf_probe_read_user(&iov, sizeof(iov), (void *)(r.si + 16));
+        bpf_probe_read_user(&iovlen, sizeof(iovlen), (void *)(r.si + 24));
+        if (!iov || !iovlen)
+            return 0;
+        a.buf = iov;
+        a.iovcnt = (__u32)iovlen;
+    }
+    if (dir == 1 && st->fold)
+        body_fold_flush(id, key, st); /* the response: the request's folded reads first */
+    return io_done(id, ret, a, thread_state(id, dir == 0), st, dir, vec);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret, 0, 0, SRC_SYSCALL, 0, 0, 0); }
+/* a MSG_PEEK read is read again for real later (nginx peeks one byte to tell TLS from
+ * plaintext): sending it would hand the parser those bytes twice */
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret, 0, 0, SRC_SYSCALL, 1, 0, 0); }
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_READV
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args->ret, 0, 1, SRC_SYSCALL, 0, 0, 0); }
+#endif
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args->ret, 1, 0, SRC_SYSCALL, 0, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret, 1, 0, SRC_SYSCALL, 0, 0, 0); }
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_WRITEV
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret, 1, 1, SRC_SYSCALL, 0, 0, 0); }
+#endif
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_SENDFILE64
+TRACEPOINT_PROBE(syscalls, sys_exit_sendfile64) { return io_exit(args->ret, 1, 0, SRC_SENDFILE, 0, 0, 0); }
+#endif
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_RECVMSG
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret, 0, 1, SRC_SYSCALL, 0, 1, 1); }
+#endif
+#ifndef SITS_NO_SYSCALLS_SYS_EXIT_SENDMSG
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret, 1, 1, SRC_SYSCALL, 0, 0, 1); }
+#endif
+
+#else /* !SITS_EXIT_ARGS: the arguments kept from the enter tracepoint to the exit */
+
+static __always_inline int io_exit(long ret, const __u8 dir, const int vec)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    if (!has_conns(id >> 32))
+        return 0;
+    struct thread_io *t = thread_state(id, 0);
+    if (!t || !t->io_active)
+        return 0;
+    struct io_args a = t->io;
+    t->io_active = 0;
+    if (ret <= 0 || a.direction != dir || (!vec && a.iovcnt))
+        return 0; /* an enter this exit does not belong to (probes attached mid-call) */
+    struct conn_state *st = conns.lookup(&a.conn);
+    if (!st)
+        return 0;
+    return io_done(id, ret, a, t, st, dir, vec);
+}
+
 TRACEPOINT_PROBE(syscalls, sys_enter_read)
 {
     return io_enter(args->fd, (__u64)args->buf, 0, 0, SRC_SYSCALL);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret, 0, 0); }
 
-#define SITS_MSG_PEEK 2
 /* a MSG_PEEK read is read again for real later (nginx peeks one byte to tell TLS from
  * plaintext): sending it would hand the parser those bytes twice */
 TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom)
@@ -613,6 +716,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg)
 #ifndef SITS_NO_SYSCALLS_SYS_EXIT_SENDMSG
 TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret, 1, 1); }
 #endif
+
+#endif /* SITS_EXIT_ARGS */
 
 /* ---- processes: exec (new libraries to probe) and exit (forget state) ---- */
 

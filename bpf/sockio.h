@@ -23,7 +23,7 @@ struct connect_args {
 /* a read/write in flight on a traced fd */
 struct io_args {
     __u64 buf;    /* buffer, or struct iovec array when iov */
-    __u64 ts_ns;  /* at syscall entry */
+    __u64 ts_ns;  /* at syscall entry (traced at exit alone, SITS_EXIT_ARGS: at its exit) */
     __u64 conn;   /* conn key */
     __u32 iovcnt; /* 0: plain buffer */
     __u8 direction;
