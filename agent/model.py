@@ -149,7 +149,8 @@ class ResponseHead:
     status: int
     version: str
     headers: list[tuple[str, str]]
-    first_byte_ns: int  # ts_enter of the write that carried the status line
+    first_byte_ns: int  # ts_enter of the write that carried the status line (its ts_exit where
+    #                     reads and writes are traced at their exit alone: bpf/http.c)
     end_ns: int  # ts_exit of the write that carried the last byte
     first_body_ns: int | None = None  # first body chunk (streamed responses: first event)
     # first body chunk that carries output: an SSE preamble (OpenAI chat's role-only chunk,
