@@ -45,13 +45,13 @@ static __always_inline void read_sockaddr(struct conn_event *ev, __u64 uaddr)
 }
 
 #ifdef SITS_SOCK_WALK
-/* The socket behind a fd of the current task, walking task -> files -> fdtable -> file ->
- * socket -> sk with offsets the agent read from the running kernel's BTF (agent/capture/btf.py):
- * no compiled-in struct layout. 0 when any step is missing. */
-static __always_inline __u64 fd_sock(int fd)
+/* The struct socket behind a fd of the current task, walking task -> files -> fdtable ->
+ * file -> private_data with offsets the agent read from the running kernel's BTF
+ * (agent/capture/btf.py): no compiled-in struct layout. 0 when any step is missing. */
+static __always_inline __u64 fd_socket(int fd)
 {
     __u64 task = (__u64)bpf_get_current_task();
-    __u64 files = 0, fdt = 0, fds = 0, file = 0, sock = 0, sk = 0;
+    __u64 files = 0, fdt = 0, fds = 0, file = 0, sock = 0;
     __u32 max_fds = 0;
     bpf_probe_read_kernel(&files, sizeof(files), (void *)(task + SITS_OFF_TASK_FILES));
     if (!files)
@@ -67,10 +67,27 @@ static __always_inline __u64 fd_sock(int fd)
     if (!file)
         return 0;
     bpf_probe_read_kernel(&sock, sizeof(sock), (void *)(file + SITS_OFF_FILE_PRIVATE));
+    return sock;
+}
+
+/* the socket's sk, 0 when unknown */
+static __always_inline __u64 fd_sock(int fd)
+{
+    __u64 sock = fd_socket(fd), sk = 0;
     if (!sock)
         return 0;
     bpf_probe_read_kernel(&sk, sizeof(sk), (void *)(sock + SITS_OFF_SOCKET_SK));
     return sk;
+}
+
+/* the socket's type (SOCK_STREAM 1, SOCK_DGRAM 2, ...), 0 when unknown */
+static __always_inline int fd_sock_type(int fd)
+{
+    __u64 sock = fd_socket(fd);
+    __s16 type = 0;
+    if (sock)
+        bpf_probe_read_kernel(&type, sizeof(type), (void *)(sock + SITS_OFF_SOCKET_TYPE));
+    return type;
 }
 
 /* Local port always; the peer too when the syscall's own buffer did not give it (accept4
@@ -210,7 +227,14 @@ TRACEPOINT_PROBE(syscalls, sys_exit_connect)
     if (!c)
         return 0;
     /* non-blocking connect returns -EINPROGRESS (-115) and completes later */
-    if (args->ret == 0 || args->ret == -115)
+    int stream = 1;
+#ifdef SITS_SOCK_WALK
+    /* a connected UDP socket (a resolver's query, a statsd client) carries no HTTP: each
+     * lookup was a connection opened and closed and two records the parser could not use */
+    int type = fd_sock_type(c->fd);
+    stream = type == 0 || type == 1; /* unknown, or SOCK_STREAM */
+#endif
+    if (stream && (args->ret == 0 || args->ret == -115))
         register_conn(id >> 32, c->fd, ROLE_CLIENT, c->addr, -1);
     connect_inflight.delete(&id);
     return 0;

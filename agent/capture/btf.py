@@ -123,7 +123,7 @@ class Btf:
 
 
 # What the socket walk in bpf/http.c needs: task -> files -> fdt -> fd[] -> file ->
-# private_data (struct socket) -> sk -> __sk_common's addresses and ports.
+# private_data (struct socket: its type) -> sk -> __sk_common's addresses and ports.
 SOCKET_WALK: Sequence[tuple[str, str, str]] = (
     ("SITS_OFF_TASK_FILES", "task_struct", "files"),
     ("SITS_OFF_FILES_FDT", "files_struct", "fdt"),
@@ -131,6 +131,7 @@ SOCKET_WALK: Sequence[tuple[str, str, str]] = (
     ("SITS_OFF_FDT_FD", "fdtable", "fd"),
     ("SITS_OFF_FILE_PRIVATE", "file", "private_data"),
     ("SITS_OFF_SOCKET_SK", "socket", "sk"),
+    ("SITS_OFF_SOCKET_TYPE", "socket", "type"),
     ("SITS_OFF_SKC_DADDR", "sock_common", "skc_daddr"),
     ("SITS_OFF_SKC_RCV_SADDR", "sock_common", "skc_rcv_saddr"),
     ("SITS_OFF_SKC_DPORT", "sock_common", "skc_dport"),
