@@ -76,18 +76,23 @@ class Chunk:
     data: bytes
     length: int
     tail: bool = False  # ``data`` is the last bytes of what moved (the rest came before it)
+    tid: int = 0  # the thread that read or wrote it (0: not a read or write seen, e.g. a
+    #               summary's end)
+    runq_us: int = 0  # that thread's run-queue wait so far then (bpf/sched.c; EV_DATA.runq_us)
 
     # an __init__ written out is compiled with the class (agent/native.py); the one the
     # dataclass decorator would write runs interpreted. tests/unit/test_native.py checks
     # that each such __init__ takes the fields, in order, with their defaults.
     def __init__(self, direction: Direction, ts_enter_ns: int, ts_exit_ns: int, data: bytes,
-                 length: int, tail: bool = False) -> None:
+                 length: int, tail: bool = False, tid: int = 0, runq_us: int = 0) -> None:
         self.direction = direction
         self.ts_enter_ns = ts_enter_ns
         self.ts_exit_ns = ts_exit_ns
         self.data = data
         self.length = length
         self.tail = tail
+        self.tid = tid
+        self.runq_us = runq_us
 
 
 @dataclass(slots=True)
@@ -204,13 +209,34 @@ class Exchange:
     request: RequestHead
     response: ResponseHead | None
     error: str | None = None  # e.g. "connection_closed" when no response came
+    # The serving thread's run-queue counter (Chunk.runq_us) at the read or write that
+    # carried the request's first byte (tid0, runq0) and at the last one of the response seen
+    # (tid1, runq1), as the parser saw them (signals/sched.py turns them into the span's
+    # run-queue delay). tid0 0: not seen. runq_ends: both are the span's own first and last
+    # byte. runq_switches: None when one thread did every read and write of the connection
+    # in between; else each change of thread in between, oldest first, as (thread before,
+    # its counter at its last read or write, thread after, its counter at its first one).
+    runq_tid0: int = 0
+    runq0: int = 0
+    runq_tid1: int = 0
+    runq1: int = 0
+    runq_ends: bool = False
+    runq_switches: list[tuple[int, int, int, int]] | None = None
 
     def __init__(self, conn: ConnInfo, request: RequestHead, response: ResponseHead | None,
-                 error: str | None = None) -> None:
+                 error: str | None = None, runq_tid0: int = 0, runq0: int = 0,
+                 runq_tid1: int = 0, runq1: int = 0, runq_ends: bool = False,
+                 runq_switches: list[tuple[int, int, int, int]] | None = None) -> None:
         self.conn = conn
         self.request = request
         self.response = response
         self.error = error
+        self.runq_tid0 = runq_tid0
+        self.runq0 = runq0
+        self.runq_tid1 = runq_tid1
+        self.runq1 = runq1
+        self.runq_ends = runq_ends
+        self.runq_switches = runq_switches
 
 
 @dataclass(slots=True)

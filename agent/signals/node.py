@@ -3,7 +3,7 @@
     add = load_additions(NodeSignalConfig(), tracefs_root())
     kernel = load(extend_options(opts, add))
     node = NodeSignals.from_kernel(kernel)
-    node.install(tracer)          # handlers, annotators, data observer
+    node.install(tracer)          # handlers, annotators
     node.track_processes(pids)    # threads of processes traced from the start
     FeatureFrame(providers=node.providers())   # per-second rows: tcp_*, cpu_runq_*
     counter_samples(node)         # cumulative counters, for a scrape-time collector
@@ -157,7 +157,6 @@ class NodeSignals:
             tracer.annotators.append(self.tcp.annotate)
             tracer.batch_observers.append(self.tcp.new_batch)
         if self.sched is not None:
-            tracer.data_observers.append(self.sched.on_data)
             tracer.annotators.append(self.sched.annotate)
 
     def poll(self) -> None:

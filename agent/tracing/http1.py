@@ -72,6 +72,9 @@ _TLS = 11  # began with TLS-looking bytes: skipped, unless a chunk begins with a
 # TLS waits longer: a handshake's records come before a probed library's plaintext
 _OPAQUE_AFTER = 32
 _OPAQUE_TLS_AFTER = 64
+# thread switches a connection remembers (HttpConnParser._switch): a thread pool's
+# connections switch often; an exchange that spans more than half of them is inexact
+_SWITCHES_KEPT = 256
 # headers kept whatever the header count (trace and request identity)
 IDENTITY_HEADERS = frozenset({"x-request-id", "traceparent", "tracestate", "x-correlation-id",
                               "x-b3-traceid", "b3", "x-amzn-trace-id", "request-id"})
@@ -98,7 +101,8 @@ class ParserStats:
 class _Pending:
     """A request waiting for its end, its response, or both."""
 
-    __slots__ = ("error", "req_done", "request", "resp_done", "response")
+    __slots__ = ("error", "req_done", "request", "resp_done", "response", "rq_sw0", "rq_sw1",
+                 "rq_t0", "rq_t1", "rq_ts1", "rq_u0", "rq_u1")
 
     def __init__(self, request: RequestHead) -> None:
         self.request = request
@@ -106,6 +110,16 @@ class _Pending:
         self.req_done = False
         self.resp_done = False
         self.error: str | None = None
+        # the run-queue marks (HttpConnParser._mtid, _mu, _msw, _mts) at the request's first
+        # byte and at the response's end: the thread, its counter, the connection's thread
+        # switches so far, and (the end's) the read or write's exit time
+        self.rq_t0 = 0
+        self.rq_u0 = 0
+        self.rq_sw0 = 0
+        self.rq_t1 = 0
+        self.rq_u1 = 0
+        self.rq_sw1 = 0
+        self.rq_ts1 = 0
 
 
 class _Half:
@@ -118,6 +132,9 @@ class _Half:
         "fresh",
         "head_enter",
         "head_exit",
+        "head_sw",
+        "head_tid",
+        "head_u",
         "kind",
         "line_checked",
         "msgs",
@@ -137,6 +154,9 @@ class _Half:
         self.remaining = 0
         self.head_enter = 0  # ts of the chunk where the buffered bytes began
         self.head_exit = 0
+        self.head_tid = 0  # the run-queue marks of the chunk where the buffered bytes began
+        self.head_u = 0
+        self.head_sw = 0
         self.line_checked = False  # the buffered head's first line was checked
         self.sol = False  # while resyncing: buf begins at a line start
         self.fresh = True  # nothing seen yet (TLS check pending)
@@ -174,9 +194,15 @@ class HttpConnParser:
         "_last_ns",
         "_max_header_bytes",
         "_max_headers",
+        "_msw",
+        "_mtid",
+        "_mts",
+        "_mu",
         "_off",
         "_order",
         "_out",
+        "_swbase",
+        "_swlog",
         "conn",
         "opaque",
         "stats",
@@ -208,6 +234,15 @@ class HttpConnParser:
         self._emitted = 0  # exchanges emitted
         self._junk = 0  # chunks that left a half resyncing, ignored or in TLS
         self.opaque = False  # no HTTP to find here (see _OPAQUE_AFTER)
+        # run-queue marks of the last read or write seen (Chunk.tid, .runq_us, its exit) and
+        # the thread switches between reads and writes of the connection: their count, and
+        # the last of them (_swlog[i] is switch number _swbase + i; see Exchange.runq_*)
+        self._mtid = 0
+        self._mu = 0
+        self._mts = 0
+        self._msw = 0
+        self._swlog: list[tuple[int, int, int, int]] = []
+        self._swbase = 0
 
     # ---- public ----
 
@@ -219,6 +254,14 @@ class HttpConnParser:
             h = self._halves[chunk.direction]
             data = chunk.data
             self._last_ns = chunk.ts_exit_ns
+            tid = chunk.tid
+            if tid:
+                if tid != self._mtid:
+                    if self._mtid:
+                        self._switch(tid, chunk.runq_us)
+                    self._mtid = tid
+                self._mu = chunk.runq_us
+                self._mts = chunk.ts_exit_ns
             if h.fresh and data and self._is_tls(h, data):
                 self._lost_chunk(_TLS)
                 return
@@ -434,6 +477,7 @@ class HttpConnParser:
             return self._bad_head(h, b"", pos)
         h.head_enter = chunk.ts_enter_ns
         h.head_exit = chunk.ts_exit_ns
+        self._head_marks(h)
         h.line_checked = False
         return self._head_slow(h, data, pos, chunk)
 
@@ -498,6 +542,10 @@ class HttpConnParser:
         h.msgs += 1
         req = RequestHead(method, target, version[5:], fields, t_exit, chunk.ts_exit_ns)
         p = _Pending(req)
+        if t_exit == self._mts:  # the head began in the read or write just seen
+            p.rq_t0, p.rq_u0, p.rq_sw0 = self._mtid, self._mu, self._msw
+        elif t_exit == h.head_exit:  # in an earlier one
+            p.rq_t0, p.rq_u0, p.rq_sw0 = h.head_tid, h.head_u, h.head_sw
         self._order.append(p)
         self._awaiting.append(p)
         if cut:
@@ -857,6 +905,7 @@ class HttpConnParser:
         if start >= k:
             h.head_enter = chunk.ts_enter_ns
             h.head_exit = chunk.ts_exit_ns
+            self._head_marks(h)
 
     # ---- completion ----
 
@@ -867,6 +916,7 @@ class HttpConnParser:
             r.end_ns = chunk.ts_exit_ns
             if p is not None:
                 p.resp_done = True
+                p.rq_t1, p.rq_u1, p.rq_sw1, p.rq_ts1 = self._mtid, self._mu, self._msw, self._mts
         else:
             q = h.req
             if q is not None:
@@ -890,9 +940,52 @@ class HttpConnParser:
             self.stats.exchanges += 1
             self._emitted += 1
             try:
-                self._emit(Exchange(self._conn, p.request, p.response, p.error))
+                self._emit(self._exchange(p))
             except Exception:  # noqa: BLE001 - the consumer's bug must not corrupt our state
                 self.stats.internal_errors += 1
+
+    def _exchange(self, p: _Pending) -> Exchange:
+        ex = Exchange(self._conn, p.request, p.response, p.error)
+        t0 = p.rq_t0
+        if not t0:
+            return ex  # the request's first read or write was not seen (or not with a thread)
+        r = p.response
+        if p.rq_t1 and r is not None:  # the response ended at a read or write seen
+            t1, u1, sw1, ts1 = p.rq_t1, p.rq_u1, p.rq_sw1, p.rq_ts1
+        elif self._mts <= (r.end_ns if r is not None else p.request.end_ns):
+            t1, u1, sw1, ts1 = self._mtid, self._mu, self._msw, self._mts  # the last one seen
+        else:
+            t1, u1, sw1, ts1 = t0, p.rq_u0, p.rq_sw0, 0  # no later mark inside the exchange
+        ex.runq_tid0 = t0
+        ex.runq0 = p.rq_u0
+        ex.runq_tid1 = t1
+        ex.runq1 = u1
+        ex.runq_ends = r is not None and ts1 == r.end_ns
+        sw0 = p.rq_sw0
+        if sw1 != sw0:
+            base = self._swbase
+            ex.runq_switches = self._swlog[max(sw0 - base, 0):max(sw1 - base, 0)]
+            if sw0 < base:  # switches forgotten: not all of the threads are known
+                ex.runq_ends = False
+        return ex
+
+    def _switch(self, tid: int, runq_us: int) -> None:
+        """The connection's reads and writes went from thread _mtid to `tid`."""
+        log = self._swlog
+        log.append((self._mtid, self._mu, tid, runq_us))
+        self._msw += 1
+        if len(log) > _SWITCHES_KEPT:
+            drop = len(log) // 2
+            del log[:drop]
+            self._swbase += drop
+
+    def _head_marks(self, h: _Half) -> None:
+        """The buffered head began in the chunk being fed: keep its marks (none when that
+        chunk had no thread: the marks are an older chunk's)."""
+        if self._mts == h.head_exit:
+            h.head_tid, h.head_u, h.head_sw = self._mtid, self._mu, self._msw
+        else:
+            h.head_tid = 0
 
     def _abandon(self, h: _Half, cut: str = ERR_INCOMPLETE) -> None:
         """Stop the half's current message where it stands; a response stopped before its

@@ -392,7 +392,7 @@ class Tracer:
         c.info.sample_shift = ev.sample_shift
         parser = c.parser
         parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length,
-                          ev.tail))
+                          ev.tail, ev.tid, ev.runq_us))
         if parser.opaque and not c.muted:
             self._mute(c)
 

@@ -21,16 +21,16 @@ from sits_trace.agent.capture import loader, probes
 from sits_trace.agent.capture.bpfmaps import BccMaps
 from sits_trace.agent.capture.events import DataEvent, decode
 from sits_trace.agent.model import (
+    Chunk,
     ConnInfo,
     Direction,
     Exchange,
-    RequestHead,
-    ResponseHead,
     Role,
     Span,
 )
 from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.signals.sched import SchedSignals
+from sits_trace.agent.tracing.http1 import HttpConnParser
 
 # SPIN threads hash (GIL released) for SECONDS once told to, then block, and one more does the
 # same with a 1-us nap after each hash (a sleep that often ends before the thread has left its
@@ -201,14 +201,22 @@ def test_span_runq_delay_from_data_events(workload: subprocess.Popen[str],
     for _ in range(20):
         evs += [ev for r in ring.read(50) for ev in [decode(r)] if isinstance(ev, DataEvent)]
     assert evs, "no EV_DATA from the traced server"
-    for ev in evs:
-        sig.on_data(ev)
     req = next(e for e in evs if e.direction == Direction.INGRESS)
     resp = [e for e in evs if e.direction == Direction.EGRESS][-1]
     assert req.tid == resp.tid == tid
+    # through the HTTP parser, as the tracer feeds it: it keeps the counters at the
+    # exchange's first read and last write
     info = ConnInfo(conn_id=req.conn_id, pid=workload.pid, fd=req.fd, role=Role.SERVER)
-    ex = Exchange(info, RequestHead("GET", "/", "1.1", [], req.ts_exit_ns, req.ts_exit_ns),
-                  ResponseHead(200, "1.1", [], resp.ts_enter_ns, resp.ts_exit_ns))
+    out: list[Exchange] = []
+    parser = HttpConnParser(info, out.append)
+    for ev in evs:
+        if ev.conn_id == req.conn_id:
+            parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload,
+                              ev.length, ev.tail, ev.tid, ev.runq_us))
+    assert len(out) == 1
+    ex = out[0]
+    assert ex.request.start_ns == req.ts_exit_ns
+    assert ex.response is not None and ex.response.end_ns == resp.ts_exit_ns
     span = Span("0" * 32, "0" * 16, None, "GET /", "SERVER", 0, 0)
     sig.annotate(ex, span)
     ours_us = span.attributes["sits.cpu.runq_delay_us"]
