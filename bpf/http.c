@@ -464,6 +464,9 @@ static __always_inline int io_done(__u64 id, long ret, struct io_args a, struct 
     if (!capture_exchange(id >> 32, st, dir, ret))
         return 0;
     __u64 now = bpf_ktime_get_ns();
+#if SITS_EXIT_ARGS
+    a.ts_ns = now; /* traced at the exit alone: the call's start is not seen */
+#endif
     if (!dir && (st->tail & 1) && a.source != SRC_SENDFILE &&
         body_fold_add(id, a.conn, st, a.buf, ret, vec, a.ts_ns, now, a.source))
         return 0;
@@ -584,7 +587,7 @@ static __always_inline int io_exit(long ret, const __u8 dir, const int vec, cons
     if ((peek_in_r10 && (r.r10 & SITS_MSG_PEEK)) || (peek_in_dx && (r.dx & SITS_MSG_PEEK)))
         return 0;
     struct io_args a = {
-        .buf = r.si, .ts_ns = bpf_ktime_get_ns(), .conn = key,
+        .buf = r.si, .conn = key,  /* ts_ns: io_done's one clock read */
         .iovcnt = vec ? (__u32)r.dx : 0, .direction = dir, .source = src,
     };
     if (src == SRC_SENDFILE)
