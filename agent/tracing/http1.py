@@ -72,8 +72,8 @@ _TLS = 11  # began with TLS-looking bytes: skipped, unless a chunk begins with a
 # TLS waits longer: a handshake's records come before a probed library's plaintext
 _OPAQUE_AFTER = 32
 _OPAQUE_TLS_AFTER = 64
-# thread switches a connection remembers (HttpConnParser._switch): a thread pool's
-# connections switch often; an exchange that spans more than half of them is inexact
+# thread switches a connection remembers while exchanges are in flight (HttpConnParser._switch;
+# none once they are all emitted); an exchange whose first switch was dropped is inexact
 _SWITCHES_KEPT = 256
 # headers kept whatever the header count (trace and request identity)
 IDENTITY_HEADERS = frozenset({"x-request-id", "traceparent", "tracestate", "x-correlation-id",
@@ -943,6 +943,10 @@ class HttpConnParser:
                 self._emit(self._exchange(p))
             except Exception:  # noqa: BLE001 - the consumer's bug must not corrupt our state
                 self.stats.internal_errors += 1
+        log = self._swlog
+        if log:  # no exchange in flight: no one needs the switches so far (a thread pool's
+            self._swbase += len(log)  # connections keep none between requests)
+            log.clear()
 
     def _exchange(self, p: _Pending) -> Exchange:
         ex = Exchange(self._conn, p.request, p.response, p.error)

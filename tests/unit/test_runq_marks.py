@@ -117,8 +117,8 @@ def test_chunks_without_a_thread_give_no_attributes() -> None:
 
 def test_switches_are_bounded_and_an_exchange_past_them_is_inexact() -> None:
     """A thread pool's connection switches thread at every read and write: the parser keeps
-    its last 256 switches; windows after one another stay right, and an exchange longer than
-    what is kept is a lower bound."""
+    the switches of the exchanges in flight only (none between requests), at most 256; an
+    exchange longer than what is kept is a lower bound."""
     c = Conn()
     u = 0
     for k in range(400):  # 800 switches, one exchange each time
@@ -127,10 +127,25 @@ def test_switches_are_bounded_and_an_exchange_past_them_is_inexact() -> None:
         u += 2
         assert c.attrs() == (0, 2, False)  # each thread did one read or write: nothing timed
         assert c.out[-1].runq_switches is not None and len(c.out[-1].runq_switches) <= 2
-    assert len(c.parser._swlog) <= 256
+        assert c.parser._swlog == []  # nothing in flight: nothing kept
     c.io(100_000, IN, b"POST / HTTP/1.1\r\nContent-Length: 600\r\n\r\n", u, tid=7)
     for k in range(300):  # the request body read by two threads in turn: 600 switches
         c.io(100_001 + k, IN, b"xx", u + 1 + k, tid=8 if k % 2 == 0 else 7)
+    assert len(c.parser._swlog) <= 256
     c.io(101_000, OUT, RESP, u + 1000, tid=7)
     threads = c.attrs()[1]
     assert c.out[-1].runq_ends is False and threads == 2
+
+
+def test_pipelined_exchanges_keep_the_switches_they_span() -> None:
+    """Two requests in one read, answered by two threads: the second exchange's window
+    (from the shared read to its own response) still holds the switch, since it was in
+    flight when the first was emitted."""
+    c = Conn()
+    c.io(100, IN, REQ + REQ, 10, tid=7)
+    c.io(200, OUT, RESP, 20, tid=8)
+    assert len(c.out) == 1 and c.parser._swlog != []
+    c.io(300, OUT, RESP, 26, tid=8)
+    assert len(c.out) == 2 and c.parser._swlog == []
+    assert c.attrs(0) == (0, 2, False)
+    assert c.attrs(1) == (6, 2, False)  # thread 7: 10 -> 10; thread 8: 20 -> 26
