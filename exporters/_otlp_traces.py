@@ -112,17 +112,18 @@ class KeyValueCache:
     (bench/span_cost.py). Looked up by key, then by value, in a table per value type (True,
     1 and 1.0 are equal keys of one dict, and must not share an encoding), so a hit costs two
     dict lookups and no object. Floats (durations) and strings over `max_len` are never
-    cached, only their key's bytes are; the cache empties itself when it holds `limit`
+    cached, only their key's bytes are (a float's whole field but its eight value bytes); the cache empties itself when it holds `limit`
     values, so values seen once (request ids, body sizes) cost a dict entry for a while and
     no more."""
 
-    __slots__ = ("_bool", "_int", "_keys", "_limit", "_max_len", "_n", "_str")
+    __slots__ = ("_bool", "_float", "_int", "_keys", "_limit", "_max_len", "_n", "_str")
 
     def __init__(self, limit: int = 4096, max_len: int = 256) -> None:
         self._str: dict[str, dict[str, bytes]] = {}
         self._int: dict[str, dict[int, bytes]] = {}
         self._bool: dict[str, dict[bool, bytes]] = {}
         self._keys: dict[str, bytes] = {}  # a key's KeyValue.key field
+        self._float: dict[str, bytes] = {}  # a float attribute's field up to its value
         self._n = 0  # values held in the three tables
         self._limit = limit
         self._max_len = max_len
@@ -135,18 +136,27 @@ class KeyValueCache:
         return [(k, v) for t in (self._str, self._int, self._bool)
                 for k, d in t.items() for v in d]
 
-    def __call__(self, attrs: Mapping[str, AttrValue], skip: frozenset[str]) -> list[bytes]:
-        out = []
+    def add(self, out: list[bytes], attrs: Mapping[str, AttrValue],
+            skip: frozenset[str]) -> None:
+        """Appends the encoded Span.attributes field of each of `attrs` (but those in `skip`)
+        to `out`, the span's list of parts: no list of its own per span."""
         for k, v in attrs.items():
             if k in skip:
                 continue
-            cls = v.__class__
+            cls = type(v)
             if cls is str:
                 sv = cast(str, v)
                 d = self._str.get(k)
                 m = d.get(sv) if d is not None else None
                 if m is None:
                     m = self._miss(k, sv, self._str, len(sv) <= self._max_len)
+            elif cls is float:
+                # never the same twice (durations): the key's part of the field is kept, the
+                # eight bytes of the value appended
+                pre = self._float.get(k)
+                if pre is None:
+                    pre = self._float_prefix(k)
+                m = pre + _F64.pack(cast(float, v))
             elif cls is int:
                 iv = cast(int, v)
                 d2 = self._int.get(k)
@@ -159,10 +169,20 @@ class KeyValueCache:
                 m = d3.get(bv) if d3 is not None else None
                 if m is None:
                     m = self._miss(k, bv, self._bool, True)
-            else:  # a float, or a subclass of str or int: written each time
+            else:  # a subclass of str, int or float: written each time
                 m = self._miss(k, v, None, False)
             out.append(m)
-        return out
+
+    def _float_prefix(self, k: str) -> bytes:
+        """Everything of a float attribute's field but the value's eight bytes: the field's
+        tag and length, the key, the AnyValue's tag and length and double_value's tag."""
+        key = _field(b"\x0a", _utf8(k)) if k else b""
+        pre = b"\x4a" + _varint(len(key) + 11) + key + b"\x12\x09\x21"
+        if len(self._float) >= self._limit:
+            self._float.clear()
+        if self._limit > 0:
+            self._float[k] = pre
+        return pre
 
     def _miss(self, k: str, v: AttrValue, table: Any, keep: bool) -> bytes:
         key = self._keys.get(k)
@@ -218,7 +238,7 @@ def span_bytes(s: Span, kvs: KeyValueCache = _CACHE) -> bytes:
              _KINDS.get(s.kind, b"\x30\x01"),
              b"\x39" + _U64.pack(s.start_time_unix_nano) if s.start_time_unix_nano else b"",
              b"\x41" + _U64.pack(s.end_time_unix_nano) if s.end_time_unix_nano else b""]
-    parts += kvs(s.attributes, _SKIP)
+    kvs.add(parts, s.attributes, _SKIP)
     parts.append(_ERROR if s.status_code == "ERROR" else _UNSET)
     parts.append(_FLAGS_REMOTE if parent else _FLAGS)
     return b"".join(parts)
@@ -247,12 +267,22 @@ def encode(batch: Iterable[Span], resource_of: ResourceOf,
                 attrs_of[key] = attrs
             by_id[id(attrs)] = group
             seen.append(attrs)
-        group.append(_field(b"\x12", span_bytes(s, kvs)))
-    out = []
+        sb = span_bytes(s, kvs)
+        n = len(sb)
+        # ScopeSpans.spans: the tag and length, then the span's bytes as they are (joined
+        # once, with the whole request, below: not copied into a field of their own first)
+        group.append(b"\x12" + (_SMALL[n] if n < 128 else _varint(n)))
+        group.append(sb)
+    out: list[bytes] = []
     for key, spans in groups.items():
         resource = _field(b"\x0a", _resource_attributes(attrs_of[key]))
-        scope_spans = _field(b"\x12", _SCOPE + b"".join(spans))
-        out.append(_field(b"\x0a", resource + scope_spans))
+        ss_len = len(_SCOPE) + sum(map(len, spans))
+        ss_head = b"\x12" + _varint(ss_len)
+        out.append(b"\x0a" + _varint(len(resource) + len(ss_head) + ss_len))
+        out.append(resource)
+        out.append(ss_head)
+        out.append(_SCOPE)
+        out += spans
     return b"".join(out)
 
 
