@@ -15,6 +15,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from sits_trace.agent.model import Span
 
@@ -113,9 +114,12 @@ class RedAggregator:
         self._lock = threading.Lock()
         self._limiters = {m: LabelLimiter(max_label_sets) for m in METRIC_OF_KIND.values()}
         self._data: dict[str, dict[LabelSet, HistogramData]] = {m: {} for m in METRIC_OF_KIND.values()}
-        # (service, method, route, path, status) as the span has them -> span_labels' answer;
-        # bounded (paths can all differ)
-        self._labels: dict[tuple[object, ...], LabelSet] = {}
+        # (kind, service, method, route, path, status) as the span has them -> the histogram
+        # they land in, and the limiter to count a span against when its labels were folded
+        # into _other (None when admitted): span_labels, the limiter and the label set's
+        # lookup once per distinct raw fields, not per span; bounded (paths can all differ).
+        # Exact: a limiter's admitted sets only grow, so its answer for a set never changes.
+        self._slots: dict[tuple[object, ...], tuple[HistogramData, LabelLimiter | None]] = {}
         self._max_cached = 4 * max_label_sets
         self.skipped = 0  # spans that could not be observed (odd attributes)
 
@@ -135,17 +139,23 @@ class RedAggregator:
 
     def _observe(self, span: Span, service_of: Callable[[Span], str],
                  buckets: tuple[float, ...]) -> None:
-        metric = METRIC_OF_KIND.get(span.kind)
-        if metric is None:
-            return
-        labels = self._limiters[metric].admit(self._labels_of(span, service_of(span)))
+        get = span.attributes.get
+        raw = (span.kind, service_of(span), get("http.request.method"), get("http.route"),
+               get("url.path"), get("http.response.status_code"))
+        slot = self._slots.get(raw)
+        if slot is None:
+            metric = METRIC_OF_KIND.get(span.kind)
+            if metric is None:
+                return
+            # the limiter's admit() counts this span if it folds its labels
+            h = self._slot(raw, span, cast(str, raw[1]), metric, len(buckets) + 1)[0]
+        else:
+            h, folded = slot
+            if folded is not None:
+                folded.overflowed += 1  # as admit() does for each span it folds
         seconds = max(span.end_time_unix_nano - span.start_time_unix_nano, 0) / 1e9
         i = bisect.bisect_left(buckets, seconds)
         w = span_weight(span) if "sampling.probability" in span.attributes else 1
-        h = self._data[metric].get(labels)
-        if h is None:
-            n = len(buckets) + 1
-            h = self._data[metric][labels] = HistogramData([0] * n, exemplars=[None] * n)
         h.buckets[i] += w
         h.exemplars[i] = (span.trace_id, seconds, span.end_time_unix_nano / 1e9)
         h.sum += seconds * w
@@ -155,17 +165,20 @@ class RedAggregator:
         if seconds > h.max:
             h.max = seconds
 
-    def _labels_of(self, span: Span, service: str) -> LabelSet:
-        get = span.attributes.get
-        raw = (service, get("http.request.method"), get("http.route"), get("url.path"),
-               get("http.response.status_code"))
-        labels = self._labels.get(raw)
-        if labels is None:
-            labels = span_labels(span, service)
-            if len(self._labels) >= self._max_cached:
-                self._labels.clear()
-            self._labels[raw] = labels
-        return labels
+    def _slot(self, raw: tuple[object, ...], span: Span, service: str, metric: str,
+              n: int) -> tuple[HistogramData, LabelLimiter | None]:
+        limiter = self._limiters[metric]
+        labels = span_labels(span, service)
+        admitted = limiter.admit(labels)
+        data = self._data[metric]
+        h = data.get(admitted)
+        if h is None:
+            h = data[admitted] = HistogramData([0] * n, exemplars=[None] * n)
+        slot = (h, limiter if admitted is not labels else None)
+        if len(self._slots) >= self._max_cached:
+            self._slots.clear()
+        self._slots[raw] = slot
+        return slot
 
     def snapshot(self, metric: str) -> dict[LabelSet, HistogramData]:
         with self._lock:

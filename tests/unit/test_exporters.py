@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import io
 import itertools
 import json
@@ -169,6 +170,51 @@ def test_label_limiter_folds_new_routes_into_other() -> None:
     assert span_labels(brew, "s")[1] == "_OTHER"
 
 
+def test_red_aggregator_matches_labels_worked_out_span_by_span_past_its_limits() -> None:
+    """exporters/_red.RedAggregator keeps, per span's raw fields, the histogram they land in
+    and whether they were folded into _other: the histograms and the overflow count are what
+    span_labels and a LabelLimiter give span by span, without that cache, for spans of both
+    kinds, routes past the label-set limit (folded, and each folded span counted), a raw-field
+    cache that empties itself many times over, and sampled spans (weights)."""
+    from sits_trace.exporters._red import DURATION_BUCKETS_S, METRIC_OF_KIND
+
+    rng = random.Random(11)
+    spans = []
+    for i in range(3000):
+        sp = make_span(i, kind=rng.choice(["SERVER", "CLIENT", "INTERNAL"]),
+                       path=f"/r{rng.randint(0, 9)}/x{rng.randint(0, 40)}",
+                       status=rng.choice([200, 404, 503]))
+        sp.end_time_unix_nano = sp.start_time_unix_nano + rng.randint(0, 3 * 10**9)
+        if rng.random() < 0.1:
+            sp.attributes["sampling.probability"] = 0.25
+        spans.append(sp)
+    red = RedAggregator(max_label_sets=7)  # caches 28 raw field sets: emptied again and again
+    red.observe_many(spans, lambda sp: "svc" if sp.span_id[-1] in "02468ace" else "other")
+    for metric in METRIC_OF_KIND.values():
+        limiter = LabelLimiter(7)
+        want: dict[tuple[str, str, str, str], list[float]] = {}
+        for sp in spans:
+            if METRIC_OF_KIND.get(sp.kind) != metric:
+                continue
+            svc = "svc" if sp.span_id[-1] in "02468ace" else "other"
+            labels = limiter.admit(span_labels(sp, svc))
+            w = 4 if "sampling.probability" in sp.attributes else 1
+            want.setdefault(labels, []).extend(
+                [(sp.end_time_unix_nano - sp.start_time_unix_nano) / 1e9] * w)
+        got = red.snapshot(metric)
+        assert set(got) == set(want)
+        assert sum(1 for k in want if k[2] != "_other") == 7 < len(want)  # and folded ones
+        for labels, seconds in want.items():
+            h = got[labels]
+            assert h.count == len(seconds) and h.min == min(seconds) and h.max == max(seconds)
+            assert h.sum == pytest.approx(sum(seconds))
+            buckets = [0] * (len(DURATION_BUCKETS_S) + 1)
+            for x in seconds:
+                buckets[bisect.bisect_left(DURATION_BUCKETS_S, x)] += 1
+            assert h.buckets == buckets
+        assert red.overflowed(metric) == limiter.overflowed > 100
+
+
 def test_red_aggregator_takes_a_batch_with_labels_worked_out_once_and_odd_spans_skipped() -> None:
     """exporters/_red.RedAggregator.observe_many: the same histograms as span by span; a
     span's labels are looked up by its raw fields (bounded), so ids in paths still become
@@ -184,7 +230,7 @@ def test_red_aggregator_takes_a_batch_with_labels_worked_out_once_and_odd_spans_
     assert many.snapshot(metric) == one.snapshot(metric)
     assert set(many.snapshot(metric)) == {("svc", "POST", "/users/{id}/orders", "200"),
                                           ("svc", "POST", "/users/{id}/orders", "500")}
-    assert len(many._labels) <= 4 * 3
+    assert len(many._slots) <= 4 * 3
     odd = RedAggregator()
     bad = make_span(1)
 
