@@ -136,13 +136,16 @@ class Tracer:
         return out
 
     def stop(self) -> str:
-        self.stats_path.unlink(missing_ok=True)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait(timeout=5)
+        # after the agent is gone: it writes its counters a last time as it exits, and a file
+        # removed before that came back (396 sits-stats-*.json in /tmp after a few CI runs)
+        self.stats_path.unlink(missing_ok=True)
         self._out.join(timeout=5)
         self._err.join(timeout=5)
         return "".join(self.stderr_lines)
