@@ -15,7 +15,6 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import cast
 
 from sits_trace.agent.model import Span
 
@@ -140,7 +139,8 @@ class RedAggregator:
     def _observe(self, span: Span, service_of: Callable[[Span], str],
                  buckets: tuple[float, ...]) -> None:
         get = span.attributes.get
-        raw = (span.kind, service_of(span), get("http.request.method"), get("http.route"),
+        service = service_of(span)
+        raw = (span.kind, service, get("http.request.method"), get("http.route"),
                get("url.path"), get("http.response.status_code"))
         slot = self._slots.get(raw)
         if slot is None:
@@ -148,7 +148,7 @@ class RedAggregator:
             if metric is None:
                 return
             # the limiter's admit() counts this span if it folds its labels
-            h = self._slot(raw, span, cast(str, raw[1]), metric, len(buckets) + 1)[0]
+            h = self._slot(raw, span, service, metric, len(buckets) + 1)[0]
         else:
             h, folded = slot
             if folded is not None:
