@@ -13,14 +13,23 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from sits_trace.agent.capture.events import (
+    DATA_GAP,
+    DATA_HDR_SIZE,
+    DATA_LOST,
+    DATA_SAMPLE_SHIFT,
+    DATA_TAIL,
+    DIRECTIONS,
+    ROLES,
     ConnEvent,
     DataEvent,
+    DataHeader,
     DecodeError,
     Kind,
     ProcEvent,
     Source,
     StreamEnd,
     StreamEvent,
+    data_header,
     decode,
 )
 from sits_trace.agent.capture.loader import EventSource
@@ -32,14 +41,13 @@ from .procfs import ProcFS
 from .spans import SpanBuilder
 
 _DATA_KIND = int(Kind.DATA).to_bytes(4, "little")
+_SRC_TLS = int(Source.TLS)
 
 SpanSink = Callable[[Span], None]  # one that also has `many` takes a batch (agent/sinks.py)
 # adds attributes to a span from other signals (TCP, CPU, GPU) before it leaves the tracer
 Annotator = Callable[[Exchange, Span], None]
 # takes raw records of a kind this module does not decode (tcp.c, sched.c, cuda.c records)
 RecordHandler = Callable[[bytes], None]
-# sees every decoded read/write (e.g. to keep per-thread run-queue samples for annotators)
-DataObserver = Callable[[DataEvent], None]
 
 # userspace-assigned ids (connections found in /proc at start) live above the kernel's counter
 PREFILL_ID_BASE = 1 << 62
@@ -111,7 +119,6 @@ class Tracer:
         self._prefill_id = PREFILL_ID_BASE
         self.annotators: list[Annotator] = list(annotators)
         self.handlers: dict[int, RecordHandler] = dict(handlers or {})  # by kind; never DATA
-        self.data_observers: list[DataObserver] = []
         # called before each batch of records (e.g. to drop what an annotator read from
         # the kernel for the previous batch's spans)
         self.batch_observers: list[Callable[[], None]] = []
@@ -178,7 +185,17 @@ class Tracer:
         for raw in records:
             self.stats.records += 1
             head = raw[:4]
-            if handlers and head != _DATA_KIND and len(raw) >= 4:  # data records are ours
+            if head == _DATA_KIND and len(raw) >= DATA_HDR_SIZE:
+                # the hot path, two records a request: read straight from the header, no
+                # DataEvent made (decode() makes one for everything else that reads them)
+                try:
+                    fields = data_header(raw)
+                except DecodeError:
+                    self.stats.decode_errors += 1
+                    continue
+                self._on_data(raw, fields)
+                continue
+            if handlers and len(raw) >= 4:  # the records of tcp.c, sched.c, cuda.c
                 h = handlers.get(int.from_bytes(head, "little"))
                 if h is not None:
                     h(raw)
@@ -188,8 +205,8 @@ class Tracer:
             except DecodeError:
                 self.stats.decode_errors += 1
                 continue
-            if isinstance(ev, DataEvent):
-                self._on_data(ev)
+            if isinstance(ev, DataEvent):  # not reached: the path above takes them all
+                self._on_data(raw, data_header(raw))
             elif isinstance(ev, ConnEvent):
                 self._on_conn(ev)
             elif isinstance(ev, StreamEvent):
@@ -355,44 +372,46 @@ class Tracer:
 
     # ---- data ----
 
-    def _conn_for(self, ev: DataEvent) -> _Conn:
-        if ev.conn_id:
-            c = self._conns.get(ev.conn_id)
+    def _conn_for(self, conn_id: int, pid: int, fd: int, role: int, ssl: int) -> _Conn:
+        if conn_id:
+            c = self._conns.get(conn_id)
             if c is not None:
                 return c
             self.stats.orphan_data += 1
-            info = ConnInfo(conn_id=ev.conn_id, pid=ev.pid, fd=ev.fd, role=ev.role,
-                            comm=self._exe_name(ev.pid, ""))
+            info = ConnInfo(conn_id=conn_id, pid=pid, fd=fd, role=ROLES[role],
+                            comm=self._exe_name(pid, ""))
             return self._add(info)
         # TLS plaintext whose socket is unknown: one stream per SSL*
-        key = (ev.pid, ev.ssl)
+        key = (pid, ssl)
         c = self._tls_streams.get(key)
         if c is None:
-            info = ConnInfo(conn_id=0, pid=ev.pid, fd=-1, role=ev.role, tls=True,
-                            comm=self._exe_name(ev.pid, ""))
+            info = ConnInfo(conn_id=0, pid=pid, fd=-1, role=ROLES[role], tls=True,
+                            comm=self._exe_name(pid, ""))
             c = self._new_conn(info)
             self._tls_streams[key] = c
         return c
 
-    def _on_data(self, ev: DataEvent) -> None:
-        for observe in self.data_observers:
-            observe(ev)
-        c = self._conn_for(ev)
-        if ev.source == Source.TLS:
+    def _on_data(self, raw: bytes, h: DataHeader) -> None:
+        """A read or write (a data record and its checked header: events.data_header)."""
+        (_, pid, conn_id, t_enter, t_exit, ssl, tid, fd, length, captured, direction, source,
+         role, flags, runq_us) = h
+        c = self._conn_for(conn_id, pid, fd, role, ssl)
+        if source == _SRC_TLS:
             if not c.info.tls:
                 # the handshake's ciphertext came first: start over on the plaintext
                 c.info.tls = True
                 c.parser = HttpConnParser(c.info, self._emit, stats=self.stats.parser)
         elif c.info.tls:
             return  # ciphertext of a TLS connection: its plaintext comes from the uprobes
-        if ev.lost:
+        if flags & DATA_LOST:
             c.parser.lost()  # records lost in the ring: resync, the pending exchange is a gap
-        elif ev.gap:
+        elif flags & DATA_GAP:
             c.parser.gap()
-        c.info.sample_shift = ev.sample_shift
+        c.info.sample_shift = flags & DATA_SAMPLE_SHIFT
         parser = c.parser
-        parser.feed(Chunk(ev.direction, ev.ts_enter_ns, ev.ts_exit_ns, ev.payload, ev.length,
-                          ev.tail, ev.tid, ev.runq_us))
+        parser.feed(Chunk(DIRECTIONS[direction], t_enter, t_exit,
+                          raw[DATA_HDR_SIZE:DATA_HDR_SIZE + captured], length,
+                          bool(flags & DATA_TAIL), tid, runq_us))
         if parser.opaque and not c.muted:
             self._mute(c)
 

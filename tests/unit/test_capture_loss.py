@@ -173,6 +173,28 @@ def test_loss_flag_on_a_body_record_resyncs_at_the_next_request(tmp_path: Path) 
     assert attrs(spans) == [("PUT", "/p", None, ERR_GAP), ("GET", "/real", 200, None)]
 
 
+def test_the_tracers_read_of_a_data_header_keeps_its_flags_and_refuses_what_cannot_be(
+        tmp_path: Path) -> None:
+    """agent/tracing/pipeline.py reads data records straight from their header
+    (events.data_header), with no DataEvent: the sample shift reaches the span as
+    sampling.probability, and records whose header cannot be (more captured than the record
+    holds or than moved; an unknown direction, source or role) are decode errors that cost
+    the connection nothing."""
+    t, spans = tracer(tmp_path)
+    good = data_rec(1, IN, b"GET /a HTTP/1.1\r\n\r\n", ts=10, flags=3)
+    bad = [good[:-1],  # captured says one byte more than the record has
+           data_rec(1, IN, b"GET /x HTTP/1.1\r\n\r\n", length=5, ts=11)]
+    for field, value in ((10, 2), (11, 3), (12, 3)):  # direction, source, role
+        f = list(_DATA_HDR.unpack_from(good))
+        f[field] = value
+        bad.append(_DATA_HDR.pack(*f) + good[_DATA_HDR.size:])
+    t.process([conn_rec(Kind.CONN_OPEN, 1), good, *bad, data_rec(1, OUT, OK, ts=12, flags=3)])
+    t.close_all()
+    assert attrs(spans) == [("GET", "/a", 200, None)]
+    assert spans[0].attributes["sampling.probability"] == 1 / 8
+    assert t.stats.decode_errors == len(bad) == 5
+
+
 def test_lost_close_replaced_by_the_next_connection_on_the_fd(tmp_path: Path) -> None:
     t, _ = tracer(tmp_path)
     t.process([conn_rec(Kind.CONN_OPEN, 1), conn_rec(Kind.CONN_OPEN, 2),
