@@ -62,6 +62,8 @@ _SMALL = [bytes((n,)) for n in range(128)]
 def _varint(n: int) -> bytes:
     if n < 128:
         return _SMALL[n]
+    if n < 16384:  # a span's length, mostly
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -111,12 +113,13 @@ class KeyValueCache:
     address, status, user agent), and writing a KeyValue was most of the encoder's time
     (bench/span_cost.py). Looked up by key, then by value, in a table per value type (True,
     1 and 1.0 are equal keys of one dict, and must not share an encoding), so a hit costs two
-    dict lookups and no object. Floats (durations) and strings over `max_len` are never
-    cached, only their key's bytes are (a float's whole field but its eight value bytes); the cache empties itself when it holds `limit`
-    values, so values seen once (request ids, body sizes) cost a dict entry for a while and
-    no more."""
+    dict lookups and no object. An attribute the caller skips (process.*: the resource's)
+    is held as b"", so skipping costs no lookup of its own. Floats (durations) and strings
+    over `max_len` are never cached, only their key's bytes are (a float's whole field but
+    its eight value bytes); the cache empties itself when it holds `limit` values, so values
+    seen once (request ids, body sizes) cost a dict entry for a while and no more."""
 
-    __slots__ = ("_bool", "_float", "_int", "_keys", "_limit", "_max_len", "_n", "_str")
+    __slots__ = ("_bool", "_float", "_int", "_keys", "_limit", "_max_len", "_n", "_skip", "_str")
 
     def __init__(self, limit: int = 4096, max_len: int = 256) -> None:
         self._str: dict[str, dict[str, bytes]] = {}
@@ -125,6 +128,7 @@ class KeyValueCache:
         self._keys: dict[str, bytes] = {}  # a key's KeyValue.key field
         self._float: dict[str, bytes] = {}  # a float attribute's field up to its value
         self._n = 0  # values held in the three tables
+        self._skip: frozenset[str] = frozenset()  # the keys held as b"" (add's `skip`)
         self._limit = limit
         self._max_len = max_len
 
@@ -139,10 +143,14 @@ class KeyValueCache:
     def add(self, out: list[bytes], attrs: Mapping[str, AttrValue],
             skip: frozenset[str]) -> None:
         """Appends the encoded Span.attributes field of each of `attrs` (but those in `skip`)
-        to `out`, the span's list of parts: no list of its own per span."""
+        to `out`, the span's list of parts (a skipped one as b""): no list of its own per
+        span."""
+        if skip is not self._skip:  # what is held as b"" changes: nothing held is kept
+            self._clear()
+            self._keys.clear()
+            self._float.clear()
+            self._skip = skip
         for k, v in attrs.items():
-            if k in skip:
-                continue
             cls = type(v)
             if cls is str:
                 sv = cast(str, v)
@@ -156,7 +164,7 @@ class KeyValueCache:
                 pre = self._float.get(k)
                 if pre is None:
                     pre = self._float_prefix(k)
-                m = pre + _F64.pack(cast(float, v))
+                m = pre + _F64.pack(cast(float, v)) if pre else b""  # b"": skipped
             elif cls is int:
                 iv = cast(int, v)
                 d2 = self._int.get(k)
@@ -173,11 +181,19 @@ class KeyValueCache:
                 m = self._miss(k, v, None, False)
             out.append(m)
 
+    def _clear(self) -> None:
+        self._str.clear()
+        self._int.clear()
+        self._bool.clear()
+        self._n = 0
+
     def _float_prefix(self, k: str) -> bytes:
         """Everything of a float attribute's field but the value's eight bytes: the field's
-        tag and length, the key, the AnyValue's tag and length and double_value's tag."""
+        tag and length, the key, the AnyValue's tag and length and double_value's tag; b""
+        for a skipped key."""
         key = _field(b"\x0a", _utf8(k)) if k else b""
-        pre = b"\x4a" + _varint(len(key) + 11) + key + b"\x12\x09\x21"
+        pre = b"\x4a" + _varint(len(key) + 11) + key + b"\x12\x09\x21" \
+            if k not in self._skip else b""
         if len(self._float) >= self._limit:
             self._float.clear()
         if self._limit > 0:
@@ -192,13 +208,11 @@ class KeyValueCache:
                 self._keys.clear()
             if self._limit > 0:
                 self._keys[k] = key
-        m = _field(b"\x4a", key + _field(b"\x12", _any_value(v)))
+        m = _field(b"\x4a", key + _field(b"\x12", _any_value(v))) if k not in self._skip \
+            else b""
         if keep and table is not None and self._limit > 0:
             if self._n >= self._limit:
-                self._str.clear()
-                self._int.clear()
-                self._bool.clear()
-                self._n = 0
+                self._clear()
             d = table.get(k)
             if d is None:
                 d = table[k] = {}
@@ -229,12 +243,25 @@ _SCOPE = _field(b"\x0a", _field(b"\x0a", SCOPE_NAME.encode())
                 + _field(b"\x12", SCOPE_VERSION.encode()))
 
 
+_NAMES: dict[str, bytes] = {}  # a span name's field ("GET", "POST /v1/chat/completions")
+_NAMES_MAX = 1024
+
+
+def _name_field(name: str) -> bytes:
+    """Span.name's field (b"" for no name), kept: span names are a method and a route, few."""
+    f = _field(b"\x2a", _utf8(name)) if name else b""
+    if len(_NAMES) >= _NAMES_MAX:
+        _NAMES.clear()
+    _NAMES[name] = f
+    return f
+
+
 def span_bytes(s: Span, kvs: KeyValueCache = _CACHE) -> bytes:
     """One Span message (its fields, without the enclosing tag and length)."""
     tid, sid, parent = _id(s.trace_id, 32), _id(s.span_id, 16), _id(s.parent_span_id, 16)
     parts = [b"\x0a\x10" + tid if tid else b"", b"\x12\x08" + sid if sid else b"",
              b"\x22\x08" + parent if parent else b"",
-             _field(b"\x2a", _utf8(s.name)) if s.name else b"",
+             _NAMES.get(s.name) or _name_field(s.name),
              _KINDS.get(s.kind, b"\x30\x01"),
              b"\x39" + _U64.pack(s.start_time_unix_nano) if s.start_time_unix_nano else b"",
              b"\x41" + _U64.pack(s.end_time_unix_nano) if s.end_time_unix_nano else b""]

@@ -551,3 +551,23 @@ def test_the_encoders_cache_of_attribute_values_changes_nothing_it_encodes() -> 
     for i in range(1000):
         encode([make_span(i)], res, cache)
         assert len(cache) <= 64 and len(cache.values()) == len(cache)
+
+
+def test_the_encoders_cache_holds_skipped_attributes_as_nothing_for_that_skip_only() -> None:
+    """KeyValueCache.add holds a skipped attribute (process.*, which go to the resource) as
+    b"": nothing of it reaches the span, from the cache or not, int, str or float; and a
+    cache asked with another set of keys to skip drops what it held, so an attribute held
+    as b"" is encoded once it is no longer skipped."""
+    from sits_trace.exporters._otlp_traces import KeyValueCache, key_value
+
+    attrs = {"process.pid": 7, "process.executable.name": "nginx", "process.cpu": 0.5,
+             "http.response.status_code": 200}
+    cache = KeyValueCache()
+    skip = frozenset({"process.pid", "process.executable.name", "process.cpu"})
+    for _ in range(2):  # the first from scratch, the second from the cache
+        out: list[bytes] = []
+        cache.add(out, attrs, skip)
+        assert b"".join(out) == key_value("http.response.status_code", 200, b"\x4a")
+    out = []
+    cache.add(out, attrs, frozenset())
+    assert b"".join(out) == b"".join(key_value(k, v, b"\x4a") for k, v in attrs.items())
