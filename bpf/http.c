@@ -70,20 +70,9 @@ static __always_inline __u64 fd_socket(int fd)
     return sock;
 }
 
-/* the socket's sk, 0 when unknown */
-static __always_inline __u64 fd_sock(int fd)
-{
-    __u64 sock = fd_socket(fd), sk = 0;
-    if (!sock)
-        return 0;
-    bpf_probe_read_kernel(&sk, sizeof(sk), (void *)(sock + SITS_OFF_SOCKET_SK));
-    return sk;
-}
-
 /* the socket's type (SOCK_STREAM 1, SOCK_DGRAM 2, ...), 0 when unknown */
-static __always_inline int fd_sock_type(int fd)
+static __always_inline int sock_type(__u64 sock)
 {
-    __u64 sock = fd_socket(fd);
     __s16 type = 0;
     if (sock)
         bpf_probe_read_kernel(&type, sizeof(type), (void *)(sock + SITS_OFF_SOCKET_TYPE));
@@ -92,10 +81,15 @@ static __always_inline int fd_sock_type(int fd)
 
 /* Local port always; the peer too when the syscall's own buffer did not give it (accept4
  * with a NULL address, as libuv calls it). Read at the source, in the accepting or
- * connecting thread, so no later close or fd reuse can mix connections up. */
-static __always_inline void sock_addrs(struct conn_event *ev, int fd)
+ * connecting thread, so no later close or fd reuse can mix connections up. `sock`: the
+ * fd's struct socket when the caller walked to it already (connect), else 0: walked here. */
+static __always_inline void sock_addrs(struct conn_event *ev, int fd, __u64 sock)
 {
-    __u64 sk = fd_sock(fd);
+    __u64 sk = 0;
+    if (!sock)
+        sock = fd_socket(fd);
+    if (sock)
+        bpf_probe_read_kernel(&sk, sizeof(sk), (void *)(sock + SITS_OFF_SOCKET_SK));
     if (!sk)
         return;
     __u16 family = 0, num = 0, dport = 0;
@@ -117,7 +111,7 @@ static __always_inline void sock_addrs(struct conn_event *ev, int fd)
 #endif
 
 static __always_inline void emit_conn(int kind, __u32 tgid, int fd, struct conn_state *st,
-                                      __u64 uaddr, int listen_fd)
+                                      __u64 uaddr, int listen_fd, __u64 sock)
 {
     struct conn_event ev = {};
     ev.kind = kind;
@@ -135,12 +129,13 @@ static __always_inline void emit_conn(int kind, __u32 tgid, int fd, struct conn_
     read_sockaddr(&ev, uaddr);
 #ifdef SITS_SOCK_WALK
     if (kind == EV_CONN_OPEN)
-        sock_addrs(&ev, fd);
+        sock_addrs(&ev, fd, sock);
 #endif
     submit(&ev, sizeof(ev), kind);
 }
 
-static __always_inline void register_conn(__u32 tgid, int fd, __u8 role, __u64 uaddr, int lfd)
+static __always_inline void register_conn(__u32 tgid, int fd, __u8 role, __u64 uaddr, int lfd,
+                                          __u64 sock)
 {
     struct conn_state st = {};
     __u64 key = conn_key(tgid, fd);
@@ -148,7 +143,7 @@ static __always_inline void register_conn(__u32 tgid, int fd, __u8 role, __u64 u
     st.role = role;
     conns.update(&key, &st);
     mark_conns(tgid, 1);
-    emit_conn(EV_CONN_OPEN, tgid, fd, &st, uaddr, lfd);
+    emit_conn(EV_CONN_OPEN, tgid, fd, &st, uaddr, lfd, sock);
 }
 
 /* ---- accept / accept4 ---- */
@@ -171,11 +166,11 @@ static __always_inline int on_accept_exit(long ret)
         /* the thread was already blocked in accept() when the agent attached: trace the
          * connection anyway; the agent finds its addresses in /proc */
         if (ret >= 0 && traced_tgid(id >> 32))
-            register_conn(id >> 32, (int)ret, ROLE_SERVER, 0, -1);
+            register_conn(id >> 32, (int)ret, ROLE_SERVER, 0, -1, 0);
         return 0;
     }
     if (ret >= 0)
-        register_conn(id >> 32, (int)ret, ROLE_SERVER, a->addr, a->listen_fd);
+        register_conn(id >> 32, (int)ret, ROLE_SERVER, a->addr, a->listen_fd, 0);
     accept_inflight.delete(&id);
     return 0;
 }
@@ -228,14 +223,18 @@ TRACEPOINT_PROBE(syscalls, sys_exit_connect)
         return 0;
     /* non-blocking connect returns -EINPROGRESS (-115) and completes later */
     int stream = 1;
+    __u64 sock = 0;
 #ifdef SITS_SOCK_WALK
     /* a connected UDP socket (a resolver's query, a statsd client) carries no HTTP: each
-     * lookup was a connection opened and closed and two records the parser could not use */
-    int type = fd_sock_type(c->fd);
+     * lookup was a connection opened and closed and two records the parser could not use.
+     * The socket found here is the one whose addresses the open event reads: one walk of
+     * the fd table a connect, not two */
+    sock = fd_socket(c->fd);
+    int type = sock_type(sock);
     stream = type == 0 || type == 1; /* unknown, or SOCK_STREAM */
 #endif
     if (stream && (args->ret == 0 || args->ret == -115))
-        register_conn(id >> 32, c->fd, ROLE_CLIENT, c->addr, -1);
+        register_conn(id >> 32, c->fd, ROLE_CLIENT, c->addr, -1, sock);
     connect_inflight.delete(&id);
     return 0;
 }
@@ -261,7 +260,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
     if (st->fold)
         body_fold_flush(id, key, st);
     stream_end(key, st, STREAM_END_CLOSE);
-    emit_conn(EV_CONN_CLOSE, tgid, args->fd, st, 0, -1);
+    emit_conn(EV_CONN_CLOSE, tgid, args->fd, st, 0, -1, 0);
     conns.delete(&key);
     return 0;
 }

@@ -254,6 +254,9 @@ def test_python_tls_client_spans(tracer: Tracer, nginx: Nginx) -> None:
     client = next(s for s in spans if s["kind"] == "CLIENT")
     assert attrs(client)["server.port"] == nginx.https_port
     assert attrs(client)["tls"] is True
+    # the connection's TCP numbers on a client span too: found by its 4-tuple (the local
+    # port from the kernel's open event, else /proc)
+    assert attrs(client)["sits.tcp.srtt_us"] > 0, attrs(client)
 
 
 def test_uvicorn_https_sse_memory_bio(tracer: Tracer) -> None:
