@@ -70,11 +70,11 @@ class SchedSample:
     procs: dict[int, ProcRunq]
 
 
-def runq_between(samples: list[tuple[int, int]]) -> int:
-    """Microseconds waited over consecutive snapshots (tid's runq_us), modulo 2^32; a step
-    back (the thread's counter restarted) adds nothing."""
+def runq_between(counters: list[int]) -> int:
+    """Microseconds waited over consecutive snapshots of a thread's runq_us, modulo 2^32; a
+    step back (the thread's counter restarted) adds nothing."""
     total = 0
-    for (_, a), (_, b) in zip(samples, samples[1:]):
+    for a, b in zip(counters, counters[1:]):
         d = (b - a) % _WRAP
         if d < _WRAP // 2:
             total += d
@@ -130,11 +130,11 @@ class SchedSignals:
         else:
             # each thread's counter from its first to its last read or write in the span,
             # in order: the exchange's first, the two sides of each switch, its last
-            per_tid: dict[int, list[tuple[int, int]]] = {ex.runq_tid0: [(0, ex.runq0)]}
+            per_tid: dict[int, list[int]] = {ex.runq_tid0: [ex.runq0]}
             for before, u_before, after, u_after in switches:
-                per_tid.setdefault(before, []).append((0, u_before))
-                per_tid.setdefault(after, []).append((0, u_after))
-            per_tid.setdefault(ex.runq_tid1, []).append((0, ex.runq1))
+                per_tid.setdefault(before, []).append(u_before)
+                per_tid.setdefault(after, []).append(u_after)
+            per_tid.setdefault(ex.runq_tid1, []).append(ex.runq1)
             delay = sum(runq_between(s) for s in per_tid.values())
             threads = len(per_tid)
         attrs = span.attributes
