@@ -200,16 +200,14 @@ def _decode_conn(raw: bytes) -> ConnEvent:
 
 
 _DATA_HDR = struct.Struct("<IIQQQQIiIIBBBBI")  # = DataEventHdrC, checked by a test
-_DIRECTIONS = tuple(Direction)
+DIRECTIONS = tuple(Direction)  # members by their wire value (the tracer reads them too)
 _SOURCES = tuple(Source)
-_ROLES = tuple(Role)
+ROLES = tuple(Role)
 
 
 # a data record's header fields, in DataEventHdrC's order: kind, tgid, conn_id, enter and
 # exit times, ssl, tid, fd, length, captured, direction, source, role, flags, runq_us
 DataHeader = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, int]
-DIRECTIONS = _DIRECTIONS  # Direction members by their wire value
-ROLES = _ROLES
 
 
 def data_header(raw: bytes) -> DataHeader:
@@ -232,8 +230,8 @@ def _decode_data(raw: bytes) -> DataEvent:
     # positional, in DataEvent's field order (keywords cost 0.7 µs more a record, two a span;
     # tests/unit/test_events.py checks every field of a decoded record)
     return DataEvent(
-        tgid, tid, conn_id, fd, ssl, t_enter, t_exit, length, _DIRECTIONS[direction],
-        _SOURCES[source], _ROLES[role], raw[DATA_HDR_SIZE:DATA_HDR_SIZE + captured], runq_us,
+        tgid, tid, conn_id, fd, ssl, t_enter, t_exit, length, DIRECTIONS[direction],
+        _SOURCES[source], ROLES[role], raw[DATA_HDR_SIZE:DATA_HDR_SIZE + captured], runq_us,
         flags & DATA_SAMPLE_SHIFT, bool(flags & DATA_GAP), bool(flags & DATA_LOST),
         bool(flags & DATA_TAIL),
     )
@@ -262,7 +260,7 @@ def _decode_stream(raw: bytes) -> StreamEvent:
             raise DecodeError(f"stream record: head={head_len}")
         head = raw[ext + _STREAM_EXT.size:ext + _STREAM_EXT.size + head_len]
     return StreamEvent(
-        pid=tgid, tid=tid, conn_id=conn_id, fd=fd, ssl=ssl, role=_ROLES[role],
+        pid=tgid, tid=tid, conn_id=conn_id, fd=fd, ssl=ssl, role=ROLES[role],
         source=_SOURCES[source], end=_STREAM_ENDS[end], writes=writes, events=events,
         inexact=inexact, first_enter_ns=f_enter, first_exit_ns=f_exit, last_enter_ns=l_enter,
         last_exit_ns=l_exit, end_ns=end_ns, max_gap_ns=max_gap, sum_gap_ns=sum_gap,
