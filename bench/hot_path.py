@@ -28,19 +28,17 @@ import argparse
 import gc
 import json
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 
-_HDR = struct.Struct("<IIQQQQIiIIBBBBI")  # struct data_event's header (events.DataEventHdrC)
+from span_cost import RESP, data_record  # the record layout bench/span_cost.py writes
+
+# wrk's request: no x-request-id unless --request-id (then one per request, as span_cost's)
 REQ = (b"GET /index.html HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nUser-Agent: wrk\r\n"
        b"Accept: */*\r\n%s\r\n")
-RESP = (b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 02 Dec 2025 10:20:00 GMT\r\n"
-        b"Content-Type: text/plain\r\nContent-Length: 17\r\nConnection: keep-alive\r\n\r\n"
-        b"hello from nginx\n")
 
 
 def records(exchanges: int, request_id: bool, conns: int = 50) -> list[bytes]:
@@ -49,9 +47,9 @@ def records(exchanges: int, request_id: bool, conns: int = 50) -> list[bytes]:
     for i in range(exchanges):
         cid = 1 + i % conns
         extra = b"x-request-id: %016x\r\n" % i if request_id else b""
-        for direction, payload, dt in ((0, REQ % extra, 0), (1, RESP, 30_000)):
-            out.append(_HDR.pack(3, 100, cid, t + dt, t + dt + 2000, 0, 100, 100 + cid,
-                                 len(payload), len(payload), direction, 0, 1, 0, 0) + payload)
+        # each connection its own fd: one fd for all would replace a connection per record
+        out.append(data_record(cid, 0, t, REQ % extra, fd=100 + cid))
+        out.append(data_record(cid, 1, t + 30_000, RESP, fd=100 + cid))
         t += 50_000
     return out
 

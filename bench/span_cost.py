@@ -44,8 +44,8 @@ SSE_HEAD = (b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-type: text/event-str
 _HDR = struct.Struct("<IIQQQQIiIIBBBBI")
 
 
-def data_record(conn_id: int, direction: int, t: int, payload: bytes) -> bytes:
-    return _HDR.pack(3, 100, conn_id, t, t + 2000, 0, 100, 7, len(payload), len(payload),
+def data_record(conn_id: int, direction: int, t: int, payload: bytes, fd: int = 7) -> bytes:
+    return _HDR.pack(3, 100, conn_id, t, t + 2000, 0, 100, fd, len(payload), len(payload),
                      direction, 0, 1, 0, 0) + payload
 
 
