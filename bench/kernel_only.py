@@ -3,7 +3,8 @@ drain the ring without decoding anything. bench/overhead.py --mode kernel runs t
 split the agent's cost into what the probes cost the traced process and what the
 Python side costs on top.
 
-Usage: bench/kernel_only.py --pid PID   (until SIGINT; prints records and bytes drained)
+Usage: bench/kernel_only.py --pid PID [--signals]   (until SIGINT; prints records and bytes
+drained; --signals: the node signals' programs too, as the agent loads them)
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 
 from sits_trace.agent.capture.bpfmaps import _BPF_OBJ_GET_INFO_BY_FD, _SYS_BPF, _InfoAttr, _ProgInfo
 from sits_trace.agent.capture.loader import LoadOptions, RingSource, load, ring_shedder
+from sits_trace.agent.capture.probes import tracefs_root
 from sits_trace.agent.config import default_cpu_budget
+from sits_trace.agent.signals import node as nodesignals
 from sits_trace.agent.tracing.procfs import ProcFS
 
 
@@ -34,9 +37,16 @@ def prog_run_stats(fd: int) -> tuple[int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pid", type=int, required=True)
+    ap.add_argument("--signals", action="store_true",
+                    help="the node signals' programs too (bpf/tcp.c, bpf/sched.c), as the "
+                         "agent loads them by default")
     args = ap.parse_args()
     pids = [args.pid, *ProcFS().children(args.pid)]  # nginx: the master and its workers
-    kernel = load(LoadOptions(target_pids=pids))
+    opts = LoadOptions(target_pids=pids)
+    if args.signals:
+        opts = nodesignals.extend_options(
+            opts, nodesignals.load_additions(nodesignals.NodeSignalConfig(), tracefs_root()))
+    kernel = load(opts)
     src = RingSource(kernel)
     shedder = ring_shedder(kernel, src, default_cpu_budget())  # as the agent's loop does
     stop = threading.Event()

@@ -192,7 +192,8 @@ struct conn_state {
     __u8 fold;     /* reads of a long request body are being folded in `body_folds` (fold.h) */
     __u8 mute;     /* set by the agent: no HTTP here (another protocol, a tunnel, TLS nobody
                     * probes); its reads and writes are counted, never sent (http.c) */
-    __u8 _pad[4];
+    __u8 sk_known; /* 1: its struct sock was looked for (sockio.h's rtt_socks) */
+    __u8 _pad[3];
     __u64 run;     /* bytes moved in the exchange's current direction, this transfer's included */
 };
 

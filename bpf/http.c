@@ -82,8 +82,9 @@ static __always_inline int sock_type(__u64 sock)
 /* Local port always; the peer too when the syscall's own buffer did not give it (accept4
  * with a NULL address, as libuv calls it). Read at the source, in the accepting or
  * connecting thread, so no later close or fd reuse can mix connections up. `sock`: the
- * fd's struct socket when the caller walked to it already (connect), else 0: walked here. */
-static __always_inline void sock_addrs(struct conn_event *ev, int fd, __u64 sock)
+ * fd's struct socket when the caller walked to it already (connect), else 0: walked here.
+ * Returns the struct sock of an IPv4 or IPv6 socket, else 0. */
+static __always_inline __u64 sock_addrs(struct conn_event *ev, int fd, __u64 sock)
 {
     __u64 sk = 0;
     if (!sock)
@@ -91,15 +92,15 @@ static __always_inline void sock_addrs(struct conn_event *ev, int fd, __u64 sock
     if (sock)
         bpf_probe_read_kernel(&sk, sizeof(sk), (void *)(sock + SITS_OFF_SOCKET_SK));
     if (!sk)
-        return;
+        return 0;
     __u16 family = 0, num = 0, dport = 0;
     bpf_probe_read_kernel(&family, sizeof(family), (void *)(sk + SITS_OFF_SKC_FAMILY));
     if (family != AF_INET && family != AF_INET6)
-        return;
+        return 0;
     bpf_probe_read_kernel(&num, sizeof(num), (void *)(sk + SITS_OFF_SKC_NUM));
     ev->local_port = num;
     if (ev->family)
-        return;
+        return sk;
     bpf_probe_read_kernel(&dport, sizeof(dport), (void *)(sk + SITS_OFF_SKC_DPORT));
     ev->peer_port = __builtin_bswap16(dport);
     ev->family = family;
@@ -107,12 +108,24 @@ static __always_inline void sock_addrs(struct conn_event *ev, int fd, __u64 sock
         bpf_probe_read_kernel(ev->peer_addr, 4, (void *)(sk + SITS_OFF_SKC_DADDR));
     else
         bpf_probe_read_kernel(ev->peer_addr, 16, (void *)(sk + SITS_OFF_SKC_V6_DADDR));
+    return sk;
+}
+
+/* the struct sock behind a fd of the current task, 0 when any step is missing */
+static __always_inline __u64 fd_sk(int fd)
+{
+    __u64 sock = fd_socket(fd), sk = 0;
+    if (sock)
+        bpf_probe_read_kernel(&sk, sizeof(sk), (void *)(sock + SITS_OFF_SOCKET_SK));
+    return sk;
 }
 #endif
 
-static __always_inline void emit_conn(int kind, __u32 tgid, int fd, struct conn_state *st,
-                                      __u64 uaddr, int listen_fd, __u64 sock)
+/* returns the connection's struct sock (an open event's, where the fd table is walked), or 0 */
+static __always_inline __u64 emit_conn(int kind, __u32 tgid, int fd, struct conn_state *st,
+                                       __u64 uaddr, int listen_fd, __u64 sock)
 {
+    __u64 sk = 0;
     struct conn_event ev = {};
     ev.kind = kind;
     ev.tgid = tgid;
@@ -129,9 +142,10 @@ static __always_inline void emit_conn(int kind, __u32 tgid, int fd, struct conn_
     read_sockaddr(&ev, uaddr);
 #ifdef SITS_SOCK_WALK
     if (kind == EV_CONN_OPEN)
-        sock_addrs(&ev, fd, sock);
+        sk = sock_addrs(&ev, fd, sock);
 #endif
     submit(&ev, sizeof(ev), kind);
+    return sk;
 }
 
 static __always_inline void register_conn(__u32 tgid, int fd, __u8 role, __u64 uaddr, int lfd,
@@ -141,9 +155,10 @@ static __always_inline void register_conn(__u32 tgid, int fd, __u8 role, __u64 u
     __u64 key = conn_key(tgid, fd);
     st.conn_id = new_conn_id();
     st.role = role;
+    /* the open event walks to the socket: its struct sock is tcp_probe's key (sockio.h) */
+    rtt_sock_add(&st, emit_conn(EV_CONN_OPEN, tgid, fd, &st, uaddr, lfd, sock));
     conns.update(&key, &st);
     mark_conns(tgid, 1);
-    emit_conn(EV_CONN_OPEN, tgid, fd, &st, uaddr, lfd, sock);
 }
 
 /* ---- accept / accept4 ---- */
@@ -432,6 +447,10 @@ static __always_inline int io_done(__u64 id, long ret, struct io_args a, struct 
         st->bytes_in += ret;
     else
         st->bytes_out += ret;
+#if SITS_RTT_SOCKS
+    if (!st->sk_known) /* registered from user space (open before the agent): once */
+        rtt_sock_add(st, fd_sk((int)(__u32)a.conn));
+#endif
     if (t && t->ssl_active) {
         /* ciphertext under SSL_read/SSL_write: learn SSL* -> conn, emit nothing */
         __u64 s = t->ssl.ssl;

@@ -40,6 +40,31 @@ struct ssl_active {
     __u8 _pad[7];
 };
 
+/* tcp:tcp_probe fires on every TCP segment the node receives, whoever owns the socket. With
+ * the tracepoint's `skaddr` (6.x) and the fd walk's offsets (SITS_SOCK_WALK), the struct sock
+ * of each traced connection is kept here (http.c adds it at the open event, or at the first
+ * read or write of a connection registered from user space), and tcp_probe returns after one
+ * 8-byte-key lookup for every other socket (a load generator's, a database's). The value: when
+ * tcp_probe last copied the socket's srtt (ns; 0: never). An LRU: tcp.c deletes at CLOSE. */
+#if defined(SITS_SOCK_WALK) && defined(SITS_TCP_PROBE_SK) && SITS_TCP_PROBE_SK
+#define SITS_RTT_SOCKS 1
+BPF_TABLE("lru_hash", __u64, __u64, rtt_socks, SITS_MAX_CONNS);
+#else
+#define SITS_RTT_SOCKS 0
+#endif
+
+/* a registered connection's struct sock (0: not found) is tcp_probe's from now on */
+static __always_inline void rtt_sock_add(struct conn_state *st, __u64 sk)
+{
+    st->sk_known = 1;
+#if SITS_RTT_SOCKS
+    if (sk) {
+        __u64 never = 0;
+        rtt_socks.update(&sk, &never);
+    }
+#endif
+}
+
 BPF_HASH(accept_inflight, __u64, struct accept_args, 10240);
 BPF_HASH(connect_inflight, __u64, struct connect_args, 10240);
 /* Per thread: the read/write in flight on a traced fd, the SSL call in flight (tls.c) and

@@ -17,8 +17,11 @@
  * TT_EVENTS_UNSENT), and no reset of a segment that found no live connection (a port nobody
  * listens on, TIME_WAIT, a half-open request socket: outside every span; counted only). A
  * client retrying a dead port made ~40k such resets a second, and the agent spent half a core
- * decoding them. Cost: one hash lookup/update per event, and per received segment for
- * tcp_probe. No kernel struct is read. Uses sockio.h's `connect_inflight` (filled by http.c).
+ * decoding them. Cost: one hash lookup/update per event. tcp_probe, per segment received
+ * on the node, looks at traced connections only (sockio.h's `rtt_socks`, filled by http.c,
+ * where the kernel's tcp_probe carries the socket), and copies each one's srtt at most once
+ * in SITS_SRTT_EVERY_NS. No kernel struct is read. Uses sockio.h's `connect_inflight`
+ * (filled by http.c).
  */
 #include "events.h"
 #include "sockio.h"
@@ -40,6 +43,9 @@
 #endif
 #ifndef SITS_TCP_RST_REASON
 #define SITS_TCP_RST_REASON 0 /* 1: tcp_send_reset has `enum sk_rst_reason reason` */
+#endif
+#ifndef SITS_SRTT_EVERY_NS
+#define SITS_SRTT_EVERY_NS (1ULL << 24) /* ~16.8 ms: tcp_probe's copies of a connection's srtt */
 #endif
 #ifndef SITS_TCP_EVENTS_PER_S
 #define SITS_TCP_EVENTS_PER_S 4096 /* EV_TCP_EVENT records a CPU may send in a second (2^30 ns) */
@@ -339,6 +345,18 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
 #ifndef SITS_NO_TCP_TCP_PROBE
 TRACEPOINT_PROBE(tcp, tcp_probe)
 {
+#if SITS_RTT_SOCKS
+    /* traced connections only, and each at most once in SITS_SRTT_EVERY_NS: the agent reads
+     * the value at most once a second a connection (agent/signals/tcp.py) */
+    __u64 skaddr = (__u64)args->skaddr;
+    __u64 *last = rtt_socks.lookup(&skaddr);
+    if (!last)
+        return 0;
+    __u64 now = bpf_ktime_get_ns();
+    if (*last && now - *last < SITS_SRTT_EVERY_NS)
+        return 0;
+    *last = now;
+#endif
     struct tcp_key k = {};
     key_from_sockaddrs(&k, args->saddr, args->daddr);
     struct tcp_conn *c = conn_get(&k, 1);
@@ -399,6 +417,9 @@ static __always_inline void count_time_wait(struct tcp_key *k, struct tcp_conn *
 static __always_inline void on_close(struct tcp_key *k, int old, __u64 skaddr)
 {
     tcp_sk_fd.delete(&skaddr);
+#if SITS_RTT_SOCKS
+    rtt_socks.delete(&skaddr);
+#endif
     struct tcp_conn *c = conn_get(k, 0);
     /* FIN_WAIT2 or CLOSING -> CLOSE hands the connection to a TIME_WAIT socket, unless a
      * reset ended it */

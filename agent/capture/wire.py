@@ -177,7 +177,8 @@ class ConnStateC(ctypes.Structure):
         ("tail", ctypes.c_uint8),
         ("fold", ctypes.c_uint8),
         ("mute", ctypes.c_uint8),
-        ("_pad", ctypes.c_uint8 * 4),
+        ("sk_known", ctypes.c_uint8),
+        ("_pad", ctypes.c_uint8 * 3),
         ("run", ctypes.c_uint64),
     ]
 

@@ -89,8 +89,11 @@ def tcp_defines(root: Path | None, proc_root: str = "/proc") -> dict[str, int | 
     """-D flags for tcp.c, from what this kernel's tracepoints carry (probed, not versioned)."""
     retrans = tracepoint_fields(root, "tcp", "tcp_retransmit_skb")
     rst = tracepoint_fields(root, "tcp", "tcp_send_reset")
+    probe = tracepoint_fields(root, "tcp", "tcp_probe")
     lo, hi = ephemeral_range(proc_root)
     return {
+        # 6.x: tcp_probe carries the socket: traced connections only (bpf/sockio.h)
+        "SITS_TCP_PROBE_SK": int("skaddr" in probe),
         "SITS_TCP_RETRANS_ERR": int("err" in retrans),
         # 6.10+: struct sockaddr copies (saddr[28]); before: sport/dport and saddr_v6
         "SITS_TCP_RST_SOCKADDR": int("saddr_v6" not in rst),

@@ -13,8 +13,10 @@ Span attributes (TcpSignals.annotate):
                              moment the span is finished
   sits.tcp.resets            RSTs sent or received on the connection since it opened
   sits.tcp.srtt_us           the connection's smoothed RTT, when a segment arrived since it
-                             opened (tcp_probe), as read at most one second before (the
-                             counters above are read again after every retransmit or reset)
+                             was traced (tcp_probe copies it at most every ~17 ms a
+                             connection, traced connections only), as read at most one
+                             second before (the counters above are read again after every
+                             retransmit or reset)
 """
 
 from __future__ import annotations

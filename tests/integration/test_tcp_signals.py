@@ -84,7 +84,12 @@ def client(host, port, how, n):
             c.sendall(b"x" * 200); c.recv(4096)
         info["t1"] = time.monotonic_ns()
         if how == "keep":
-            print(json.dumps(info), flush=True); sys.stdin.readline()
+            print(json.dumps(info), flush=True)
+            while sys.stdin.readline().strip() == "more":  # n more round trips, then "done"
+                for _ in range(n):
+                    c.sendall(b"x" * 200); got = 0
+                    while got < 200: got += len(c.recv(4096))
+                print(json.dumps(info), flush=True)
         c.close(); out.append(info)
     print(json.dumps(out), flush=True)
 if sys.argv[1] == "serve": serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])
@@ -358,6 +363,44 @@ def test_time_wait_counts_equal_ss(netns: PeerNetns, kernel: loader.Kernel,
     assert gauge[("peer", client_first)] == ss_client
     assert gauge[("local", server_first)] == ss_server
     assert ("local", client_first) not in entries  # the passive closer has no TIME_WAIT
+
+
+def test_srtt_only_of_traced_connections(netns: PeerNetns, kernel: loader.Kernel,
+                                        ring: loader.RingSource) -> None:
+    """tcp_probe copies the srtt of traced connections only (bpf/sockio.h's rtt_socks): an
+    untraced client's 50 round trips leave its side at 0 while the traced server's side
+    has one; registered from user space (a connection open before the agent), the client's
+    side gets one at its next write."""
+    port = 47018
+    netns.server(netns.b, B_ADDR, port, "echo")  # a child of this process: traced
+    cli = netns.client(netns.a, B_ADDR, port, "keep", 50)
+    assert cli.stdin is not None and cli.stdout is not None
+    targets = kernel.bpf["target_pids"]
+    del targets[targets.Key(cli.pid)]  # forked from a traced process; not any more
+    cli.stdin.write("go\n")
+    cli.stdin.flush()
+    info = json.loads(cli.stdout.readline())
+    try:
+        c = TcpTuple(A_ADDR, int(info["lport"]), B_ADDR, port)
+        conns = ours(kernel, port)
+        print(f"untraced client: client side {conns[c]}, server side {conns[c.reversed()]}")
+        assert conns[c].opened_ns and conns[c.reversed()].opened_ns  # both ends seen to open
+        assert conns[c].srtt_us == 0
+        assert conns[c.reversed()].srtt_us > 0
+        kernel.register_conn(cli.pid, int(info["fd"]), 1 << 40, int(Role.CLIENT))
+        cli.stdin.write("more\n")
+        cli.stdin.flush()
+        cli.stdout.readline()
+        srtt = ours(kernel, port)[c].srtt_us
+        print(f"registered from user space: client side srtt {srtt} us")
+        assert srtt > 0
+    finally:
+        cli.stdin.write("done\n")
+        cli.stdin.flush()
+        cli.communicate(timeout=10)
+        netns.stop_servers()
+        kernel.forget_pid(cli.pid, [int(info["fd"])])
+        drain(ring)
 
 
 def test_srtt_matches_ss_over_ipv6(netns: PeerNetns, kernel: loader.Kernel,
