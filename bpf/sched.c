@@ -5,14 +5,15 @@
  *                     stays runnable (preempted, yield); the one arriving ends its wait
  *
  * A wait is added to the thread's cumulative counter in `runq_threads` (events.h; the same
- * quantity as /proc/<tid>/schedstat's second field, which http.c copies into each EV_DATA), to
- * its process's totals in `runq_procs` and to a per-process log2 histogram in microseconds
- * (`runq_hist`, like bcc's runqlat -P). Which processes: those in `target_pids` when --pid
- * filtering is on; else every process with SITS_SCHED_ALL=1; else those in `sched_tgids`
- * (processes with traced connections: http.c adds them at their first traced I/O, the agent
- * at start). Threads are learned when they leave a CPU (then `current` names their process)
- * or do traced I/O. Costs two hash lookups per context switch and one per wakeup, node-wide;
- * nothing is sent through the ring. No kernel struct is read.
+ * quantity as /proc/<tid>/schedstat's second field), to its process's totals in `runq_procs`
+ * and to a per-process log2 histogram in microseconds (`runq_hist`, like bcc's runqlat -P).
+ * Which processes: those in `target_pids` when --pid filtering is on; else every process with
+ * SITS_SCHED_ALL=1; else those in `sched_tgids` (processes with traced connections: http.c
+ * adds them when it registers a connection, the agent at start). Threads are learned when
+ * they leave a CPU (then `current` names their process). Costs two hash lookups per context
+ * switch and one per wakeup, node-wide; nothing is sent through the ring. No kernel struct is
+ * read. Each EV_DATA carries the calling thread's wait total too: the scheduler's own
+ * (task_struct.sched_info.run_delay) with the kernel's BTF, else this file's counter.
  */
 #ifndef SITS_SCHED
 #define SITS_SCHED 1 /* this file is loaded: events.h keeps the per-thread run-queue counters */

@@ -151,3 +151,25 @@ def socket_walk_defines(btf: Btf | None = None, path: Path = VMLINUX) -> dict[st
         return {}
     out["SITS_SOCK_WALK"] = 1
     return out
+
+
+def run_delay_defines(btf: Btf | None = None, path: Path = VMLINUX) -> dict[str, int]:
+    """SITS_OFF_TASK_RUN_DELAY: where a task keeps its run-queue waits' total
+    (task_struct.sched_info.run_delay, ns: what /proc/<tid>/schedstat's second field shows),
+    which bpf/events.h copies into each EV_DATA; {} without usable BTF."""
+    try:
+        b = btf if btf is not None else Btf.from_file(path)
+        return {"SITS_OFF_TASK_RUN_DELAY": b.offset("task_struct", "sched_info")
+                + b.offset("sched_info", "run_delay")}
+    except (OSError, BtfError):
+        return {}
+
+
+def kernel_defines(path: Path = VMLINUX) -> dict[str, int]:
+    """Every -D flag read from the running kernel's BTF (one parse): the socket walk's and
+    the run-queue counter's offsets."""
+    try:
+        b = Btf.from_file(path)
+    except (OSError, BtfError):
+        return {}
+    return {**socket_walk_defines(b), **run_delay_defines(b)}

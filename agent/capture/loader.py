@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from . import bpfsrc, ringbuf
-from .btf import socket_walk_defines
+from .btf import kernel_defines
 from .probes import (
     HTTP_TRACEPOINTS,
     TLS_LIBRARIES,
@@ -291,7 +291,7 @@ def load(opts: LoadOptions, *, agent_pid: int | None = None) -> Kernel:
         "SITS_MAX_PAYLOAD": opts.max_payload,
         "SITS_FILTER_PIDS": 1 if opts.target_pids else 0,
         **dict.fromkeys(missing_defines, 1),
-        **socket_walk_defines(),  # {} without kernel BTF: addresses then come from /proc
+        **kernel_defines(),  # {} without kernel BTF: addresses then come from /proc
         **opts.extra_defines,
     }
     text = bpfsrc.program_text(files)

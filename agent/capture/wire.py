@@ -441,7 +441,7 @@ STRUCTS: Mapping[str, tuple[str, Structure]] = {
 # structs that never leave the kernel: per-call and per-thread scratch state
 KERNEL_ONLY = frozenset({"accept_args", "connect_args", "io_args", "ssl_active", "thread_io",
                          "read_prefix", "ssl_key", "data_scratch_t", "cuda_call", "body_fold",
-                         "tcp_ev_rate_t", "sys_args"})
+                         "tcp_ev_rate_t"})
 
 
 @dataclass(frozen=True, slots=True)

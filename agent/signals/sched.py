@@ -2,9 +2,10 @@
 
 The kernel adds each run-queue wait of a tracked thread to its counter in `runq_threads` (the
 same quantity as /proc/<tid>/schedstat's second field), to its process's totals in
-`runq_procs` and to a per-process log2 histogram `runq_hist`. http.c copies the calling
-thread's counter into every EV_DATA (`runq_us`), so the agent knows it exactly at the exit of
-each read and write.
+`runq_procs` and to a per-process log2 histogram `runq_hist`. Every EV_DATA carries the
+calling thread's run-queue wait total (`runq_us`): the scheduler's own,
+task_struct.sched_info.run_delay, where the kernel has BTF (bpf/events.h), else that counter;
+so the agent knows it exactly at the exit of each read and write.
 
 Span attributes (SchedSignals.annotate, from the counters the HTTP parser kept at each
 exchange's ends: Exchange.runq_*):

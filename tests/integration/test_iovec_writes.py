@@ -38,6 +38,10 @@ SPLITS: dict[str, Callable[[bytes, bytes], list[bytes]]] = {
     "one entry": lambda h, b: [h + b],
     "head, body": lambda h, b: [h, b],
     "four entries": lambda h, b: [h, b[:3000], b[3000:6000], b[6000:]],
+    # bpf/http.c reads the entries two at a time: a head cut across a pair's two entries, and
+    # odd counts (the last pair's second entry is past the array)
+    "head in two, body": lambda h, b: [h[:20], h[20:], b],
+    "five entries": lambda h, b: [h[:10], h[10:30], h[30:], b[:100], b[100:]],
 }
 
 
