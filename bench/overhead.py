@@ -203,7 +203,9 @@ def main() -> int:
         try:
             run_wrk(port, 2, args.connections, args.threads)  # warm-up
             for i in range(args.pairs):
-                for mode in modes:
+                # the order alternates pair by pair (ABBA): a mode that always ran first in
+                # its pair would carry whatever running first costs
+                for mode in (modes if i % 2 == 0 else modes[::-1]):
                     off = run_wrk(port, args.seconds, args.connections, args.threads)
                     agent = start_agent(mode, nginx.pid)
                     time.sleep(0.5)

@@ -45,7 +45,7 @@ struct ssl_active {
  * of each traced connection is kept here (http.c adds it at the open event, or at the first
  * read or write of a connection registered from user space), and tcp_probe returns after one
  * 8-byte-key lookup for every other socket (a load generator's, a database's). The value: when
- * tcp_probe last copied the socket's srtt (ns; 0: never). An LRU: tcp.c deletes at CLOSE. */
+ * tcp_probe last copied the socket's srtt (jiffies; 0: never). An LRU: tcp.c deletes at CLOSE. */
 #if defined(SITS_SOCK_WALK) && defined(SITS_TCP_PROBE_SK) && SITS_TCP_PROBE_SK
 #define SITS_RTT_SOCKS 1
 BPF_TABLE("lru_hash", __u64, __u64, rtt_socks, SITS_MAX_CONNS);

@@ -13,8 +13,8 @@ Span attributes (TcpSignals.annotate):
                              moment the span is finished
   sits.tcp.resets            RSTs sent or received on the connection since it opened
   sits.tcp.srtt_us           the connection's smoothed RTT, when a segment arrived since it
-                             was traced (tcp_probe copies it at most every ~17 ms a
-                             connection, traced connections only), as read at most one
+                             was traced (tcp_probe copies it at most every 4 jiffies, 16 ms
+                             at HZ=250, traced connections only), as read at most one
                              second before (the counters above are read again after every
                              retransmit or reset)
 """
