@@ -281,6 +281,34 @@ struct runq_thread {
 #if SITS_SCHED
 BPF_TABLE("lru_hash", __u32, struct runq_thread, runq_threads, SITS_MAX_THREADS);
 BPF_HASH(sched_tgids, __u32, __u8, 4096); /* processes whose threads sched.c tracks */
+/* Threads with an entry in `runq_threads`, a bit each (thread ids below PID_MAX_LIMIT, 2^22):
+ * sched.c's programs run at every context switch and wakeup on the node, and return after a
+ * bit test for a thread that is not tracked, where they made hash lookups. A bit may outlive
+ * its entry (an LRU eviction): the lookup that follows misses, as before. A tracked thread
+ * whose bit is missing (the agent's read-modify-write of a word at start can race with the
+ * kernel's) gets it back the next time it leaves a CPU (sched.c's on_switch_out). */
+#define SITS_TID_WORDS 65536
+BPF_ARRAY(runq_tid_bits, __u64, SITS_TID_WORDS);
+
+static __always_inline int runq_tid_on(__u32 tid)
+{
+    __u32 i = (tid >> 6) & (SITS_TID_WORDS - 1);
+    __u64 *w = runq_tid_bits.lookup(&i);
+    return w && ((*w >> (tid & 63)) & 1);
+}
+
+static __always_inline void runq_tid_mark(__u32 tid, int on)
+{
+    __u32 i = (tid >> 6) & (SITS_TID_WORDS - 1);
+    __u64 *w = runq_tid_bits.lookup(&i);
+    __u64 bit = 1ULL << (tid & 63);
+    if (!w)
+        return;
+    if (on && !(*w & bit))
+        __sync_fetch_and_or(w, bit);
+    else if (!on && (*w & bit))
+        __sync_fetch_and_and(w, ~bit);
+}
 #endif
 
 /* The calling thread's run-queue wait so far, for EV_DATA (the agent takes differences).
@@ -305,6 +333,7 @@ static __always_inline __u64 runq_snapshot(__u64 id)
     struct runq_thread fresh = {.tgid = tgid};
     __u8 one = 1;
     runq_threads.update(&tid, &fresh);
+    runq_tid_mark(tid, 1);
     sched_tgids.update(&tgid, &one);
 #endif
 #endif

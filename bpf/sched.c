@@ -10,9 +10,10 @@
  * Which processes: those in `target_pids` when --pid filtering is on; else every process with
  * SITS_SCHED_ALL=1; else those in `sched_tgids` (processes with traced connections: http.c
  * adds them when it registers a connection, the agent at start). Threads are learned when
- * they leave a CPU (then `current` names their process). Costs two hash lookups per context
- * switch and one per wakeup, node-wide; nothing is sent through the ring. No kernel struct is
- * read. Each EV_DATA carries the calling thread's wait total too: the scheduler's own
+ * they leave a CPU (then `current` names their process). Costs, node-wide: a bit test per
+ * wakeup; two bit tests and one hash lookup (is the leaving thread's process tracked?) per
+ * context switch; more for tracked threads. Nothing is sent through the ring and no kernel
+ * struct is read. Each EV_DATA carries the calling thread's wait total too: the scheduler's own
  * (task_struct.sched_info.run_delay) with the kernel's BTF, else this file's counter.
  */
 #ifndef SITS_SCHED
@@ -62,6 +63,7 @@ static __always_inline struct runq_thread *track(__u32 tid, __u32 tgid)
 {
     struct runq_thread fresh = {.tgid = tgid};
     runq_threads.update(&tid, &fresh);
+    runq_tid_mark(tid, 1);
     return runq_threads.lookup(&tid);
 }
 
@@ -93,7 +95,7 @@ static __always_inline int on_wakeup(__u32 tid)
      * (a nap of a few microseconds), no wait */
     if ((__u32)bpf_get_current_pid_tgid() == tid)
         return 0;
-    if (!runq_threads.lookup(&tid))
+    if (!runq_tid_on(tid) || !runq_threads.lookup(&tid))
         return 0;
     __u64 now = bpf_ktime_get_ns();
     /* keep an earlier stamp: a wakeup of a thread already queued (preempted) does not
@@ -118,19 +120,36 @@ static __always_inline int on_wakeup_new(__u32 tid)
     return 0;
 }
 
+/* the clock, read at most once a switch and only when a tracked thread needs it */
+static __always_inline __u64 clock_once(__u64 *now)
+{
+    if (!*now)
+        *now = bpf_ktime_get_ns();
+    return *now;
+}
+
 /* the thread leaving the CPU is `current` */
-static __always_inline void on_switch_out(__u32 tid, long state, __u64 now)
+static __always_inline void on_switch_out(__u32 tid, long state, __u64 *now)
 {
     __u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    struct runq_thread *t = runq_threads.lookup(&tid);
-    if (t && t->tgid != tgid) {
-        t->tgid = tgid; /* a forked child, tracked as its parent's */
-        if (!sched_traced(tgid)) {
-            runq_threads.delete(&tid);
-            t = 0;
+    struct runq_thread *t = 0;
+    if (runq_tid_on(tid)) {
+        t = runq_threads.lookup(&tid);
+        if (t && t->tgid != tgid) {
+            t->tgid = tgid; /* a forked child, tracked as its parent's */
+            if (!sched_traced(tgid)) {
+                runq_threads.delete(&tid);
+                runq_tid_mark(tid, 0);
+                t = 0;
+            }
         }
-    } else if (!t && sched_traced(tgid)) {
-        t = track(tid, tgid);
+    } else if (sched_traced(tgid)) {
+        /* a thread of a tracked process: new, or tracked with its bit missing */
+        t = runq_threads.lookup(&tid);
+        if (t)
+            runq_tid_mark(tid, 1);
+        else
+            t = track(tid, tgid);
     }
     if (!t)
         return;
@@ -140,16 +159,21 @@ static __always_inline void on_switch_out(__u32 tid, long state, __u64 now)
          * stamped it, and it ran on; counted from there, its next wait took in the time it
          * ran: sched.c read 1.4-1.6x schedstat for a thread napping 1 us between 2-ms
          * spins under stress-ng) */
-        runq_start.update(&tid, &now);
+        __u64 ts = clock_once(now);
+        runq_start.update(&tid, &ts);
         return;
     }
     runq_start.delete(&tid);
-    if (state & PREV_STATE_EXITING)
+    if (state & PREV_STATE_EXITING) {
         runq_threads.delete(&tid);
+        runq_tid_mark(tid, 0);
+    }
 }
 
-static __always_inline void on_switch_in(__u32 tid, __u64 now)
+static __always_inline void on_switch_in(__u32 tid, __u64 *now)
 {
+    if (!runq_tid_on(tid))
+        return;
     __u64 *ts = runq_start.lookup(&tid);
     if (!ts) {
         /* a tracked thread arrives with no stamp: its wakeup or preemption was not seen */
@@ -158,7 +182,7 @@ static __always_inline void on_switch_in(__u32 tid, __u64 now)
             __sync_fetch_and_add(&u->untimed, 1);
         return;
     }
-    __u64 delta = now - *ts;
+    __u64 delta = clock_once(now) - *ts;
     runq_start.delete(&tid);
     struct runq_thread *t = runq_threads.lookup(&tid);
     if (t)
@@ -182,11 +206,11 @@ TRACEPOINT_PROBE(sched, sched_wakeup_new)
 #ifndef SITS_NO_SCHED_SCHED_SWITCH
 TRACEPOINT_PROBE(sched, sched_switch)
 {
-    __u64 now = bpf_ktime_get_ns();
+    __u64 now = 0;
     if (args->prev_pid)
-        on_switch_out(args->prev_pid, args->prev_state, now);
+        on_switch_out(args->prev_pid, args->prev_state, &now);
     if (args->next_pid)
-        on_switch_in(args->next_pid, now);
+        on_switch_in(args->next_pid, &now);
     return 0;
 }
 #endif

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sits_trace.agent.capture.bpfmaps import MapAccess, u32
+from sits_trace.agent.capture.bpfmaps import MapAccess, u32, u64
 from sits_trace.agent.capture.probes import Tracepoint
 from sits_trace.agent.capture.wire import RUNQ_SLOTS, RunqHistKeyC, RunqProcC, RunqThreadC
 from sits_trace.agent.model import Exchange, Span
@@ -40,6 +40,7 @@ SCHED_TRACEPOINTS: tuple[Tracepoint, ...] = (
     Tracepoint("sched", "sched_switch", "sched", False),
 )
 _WRAP = 1 << 32  # EV_DATA.runq_us is the low 32 bits of the counter in microseconds
+_TID_WORDS = 65536  # bpf/events.h SITS_TID_WORDS: runq_tid_bits, a bit a thread id
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +110,17 @@ class SchedSignals:
             if self.maps.lookup("runq_threads", u32(tid)) is None:
                 self.maps.update("runq_threads", u32(tid), bytes(RunqThreadC(tgid=pid)))
                 n += 1
+            self._mark_tid(tid)
         return n
+
+    def _mark_tid(self, tid: int) -> None:
+        """Set the thread's bit in `runq_tid_bits` (bpf/events.h): sched.c's programs look at
+        tracked threads only. A read-modify-write: a bit the kernel sets in the same word
+        meanwhile can be lost, and comes back when that thread next leaves a CPU."""
+        key = u32((tid >> 6) & (_TID_WORDS - 1))
+        raw = self.maps.lookup("runq_tid_bits", key)
+        word = int.from_bytes(raw, "little") if raw else 0
+        self.maps.update("runq_tid_bits", key, u64(word | (1 << (tid & 63))))
 
     def thread(self, tid: int) -> RunqCounter | None:
         raw = self.maps.lookup("runq_threads", u32(tid))

@@ -84,6 +84,11 @@ pytestmark = [pytest.mark.bpf,
               pytest.mark.skipif(shutil.which("stress-ng") is None, reason="needs stress-ng")]
 
 
+def tid_bit(kernel: loader.Kernel, tid: int) -> bool:
+    raw = BccMaps(kernel.bpf).lookup("runq_tid_bits", (tid >> 6).to_bytes(4, "little"))
+    return raw is not None and bool(int.from_bytes(raw, "little") >> (tid & 63) & 1)
+
+
 def schedstat(pid: int, tid: int) -> tuple[int, int]:
     f = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
     return int(f[1]), int(f[2])
@@ -142,6 +147,8 @@ def test_runq_delay_equals_schedstat(workload: subprocess.Popen[str], kernel: lo
     pid = workload.pid
     sig.track_process(pid)  # its threads are all blocked now: tracked from a clean start
     tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    # sched.c's programs look at threads whose bit is set (bpf/events.h runq_tid_bits)
+    assert all(tid_bit(kernel, t) for t in tids)
     before = {t: schedstat(pid, t) for t in tids}
     ours0 = {t: sig.thread(t) for t in tids}
     assert all(c is not None and c.tgid == pid for c in ours0.values())
@@ -177,6 +184,12 @@ def test_runq_delay_equals_schedstat(workload: subprocess.Popen[str], kernel: lo
         # rq clock vs bpf_ktime_get_ns, read at different points: up to ~20 us a wait on this VM
         assert abs(d_ours - d_ref) <= 0.01 * d_ref + 20_000 * n_ref + 50_000_000 * (untimed + missing)
     assert total_ref > 100_000_000, "stress-ng should have kept the spinners waiting"
+    # stress-ng's workers waited as much, untraced: not one of their threads is tracked
+    others = [t for p in subprocess.run(["pgrep", "-x", "stress-ng"], capture_output=True,
+                                        text=True).stdout.split()
+              for t in map(int, os.listdir(f"/proc/{p}/task"))]
+    assert others
+    assert not any(tid_bit(kernel, t) or sig.thread(t) is not None for t in others)
     s = sig.sample()
     proc = s.procs[pid]
     print(f"process: {proc.delay_s_per_s:.3f} s/s waiting, {proc.waits_per_s:.0f} waits/s, "
