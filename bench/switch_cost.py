@@ -8,7 +8,8 @@ and with the agent's programs loaded as `run` loads them (node signals included)
 another process (an idle child of this script), interleaved round by round. With
 --baseline, that checkout's programs are timed too, in the same rounds.
 
-Usage: bench/switch_cost.py [--rounds 5] [--loops 200000] [--baseline /path/to/.venv/bin/python]
+Usage: bench/switch_cost.py [--rounds 5] [--loops 200000] [--http-alone]
+                            [--baseline /path/to/.venv/bin/python]
 Prints ns added per round trip above nothing loaded, per variant, and the median.
 """
 
@@ -24,15 +25,17 @@ import time
 from pathlib import Path
 
 
-def child(target: int) -> int:
-    """Load the programs for `target` as the agent does, until stdin closes."""
+def child(target: int, signals: bool) -> int:
+    """Load the programs for `target` as the agent does (without the node signals' when
+    not `signals`), until stdin closes."""
     from sits_trace.agent.capture.loader import LoadOptions, load
     from sits_trace.agent.capture.probes import tracefs_root
     from sits_trace.agent.signals import node as nodesignals
 
-    opts = nodesignals.extend_options(
-        LoadOptions(target_pids=[target]),
-        nodesignals.load_additions(nodesignals.NodeSignalConfig(), tracefs_root()))
+    opts = LoadOptions(target_pids=[target])
+    if signals:
+        opts = nodesignals.extend_options(
+            opts, nodesignals.load_additions(nodesignals.NodeSignalConfig(), tracefs_root()))
     load(opts)
     print("ready", flush=True)
     sys.stdin.read()
@@ -60,11 +63,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--loops", type=int, default=200000)
     ap.add_argument("--baseline", help="python of another checkout's venv: its programs too")
+    ap.add_argument("--http-alone", action="store_true",
+                    help="also this checkout's bpf/http.c alone (no node signals): what the "
+                         "syscall tracepoints cost apart from sched.c and tcp.c")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--no-signals", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        return child(args.child)
-    variants = {"this": sys.executable, **({"base": args.baseline} if args.baseline else {})}
+        return child(args.child, not args.no_signals)
+    variants = {"this": [sys.executable],
+                **({"http.c alone": [sys.executable, "--no-signals"]} if args.http_alone else {}),
+                **({"base": [args.baseline]} if args.baseline else {})}
     idle = subprocess.Popen(["sleep", "3600"])
     added: dict[str, list[float]] = {v: [] for v in variants}
     try:
@@ -72,8 +81,8 @@ def main() -> int:
             base = pipe_ns(args.loops)
             row = [f"round {r + 1}: nothing loaded {base:.0f} ns"]
             order = list(variants.items())
-            for name, py in (order if r % 2 == 0 else order[::-1]):
-                p = subprocess.Popen([py, __file__, "--child", str(idle.pid)],
+            for name, (py, *extra) in (order if r % 2 == 0 else order[::-1]):
+                p = subprocess.Popen([py, __file__, "--child", str(idle.pid), *extra],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
                 assert p.stdout is not None and p.stdin is not None
