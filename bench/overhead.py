@@ -7,7 +7,8 @@ every span as JSON to /dev/null (`sits-trace trace --json`), so span assembly
 and serialisation are in the cost. Its stats line says whether events were lost.
 
 Usage: bench/overhead.py [--pairs 5] [--seconds 5] [--connections 50] [--threads 1] [--paced-ms N]
-                         [--mode trace] [--mode full] [--mode kernel] [--mode kernel-signals] [--bpf-stats]
+                         [--mode trace] [--mode full] [--mode kernel] [--mode kernel-signals]
+                         [--mode kernel-skip] [--mode floor] [--mode floor-signals] [--bpf-stats]
                          [--baseline /path/to/other/.venv/bin/python] [--baseline-env NAME=VALUE]
 With --baseline, each mode also runs as "<mode>@base" with that interpreter (another checkout's
 venv, e.g. main's), interleaved in the same rounds: before/after under the same noise.
@@ -120,6 +121,12 @@ def agent_command(mode: str, pid: int) -> list[str]:
         return [py, str(root / "bench" / "kernel_only.py"), "--pid", str(pid)]
     if mode == "kernel-signals":
         return [py, str(root / "bench" / "kernel_only.py"), "--pid", str(pid), "--signals"]
+    if mode == "kernel-skip":  # records stepped over, not copied: no reader's work to speak of
+        return [py, str(root / "bench" / "kernel_only.py"), "--pid", str(pid), "--signals",
+                "--skip"]
+    if mode in ("floor", "floor-signals"):  # empty programs on the same tracepoints
+        return [py, str(root / "bench" / "kernel_only.py"), "--pid", str(pid), "--floor",
+                *(["--signals"] if mode == "floor-signals" else [])]
     cmd = [sits, "trace", "--json", "--pid", str(pid)]
     if mode == "full":  # capture every exchange, whatever it costs
         return [*cmd, "--cpu-budget", "0"]
@@ -163,12 +170,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--mode", action="append",
-                    choices=["trace", "full", "kernel", "kernel-signals"],
+                    choices=["trace", "full", "kernel", "kernel-signals", "kernel-skip", "floor",
+                             "floor-signals"],
                     help="what runs in the 'on' runs: the agent as configured (trace, the "
                          "default: it sheds load over trace.cpu_budget), the agent capturing "
                          "everything (full: --cpu-budget 0), or only its kernel programs and a "
                          "ring drain (kernel; kernel-signals: with the node signals' programs "
-                         "too, bpf/tcp.c and bpf/sched.c); repeat to interleave several in "
+                         "too, bpf/tcp.c and bpf/sched.c; kernel-skip: kernel-signals with the "
+                         "ring's records stepped over, not copied; floor, floor-signals: "
+                         "programs that "
+                         "return at once on the same tracepoints, what the kernel's dispatch "
+                         "costs whatever the programs do); repeat to interleave several in "
                          "each round")
     ap.add_argument("--cpu-budget", help="the agent's trace.cpu_budget in trace mode")
     ap.add_argument("--baseline", help="python of another checkout's venv: every mode also runs "

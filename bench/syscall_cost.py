@@ -9,6 +9,17 @@ at their exit alone, `SITS_EXIT_ARGS=1`) and with enter and exit tracepoints (th
 programs trace another process (this script's own child, idle), as the agent traces a
 server while wrk runs beside it.
 
+Two more variants split the shipped cost into what is the kernel's and what is the
+programs' own:
+- `one-tracepoint`: a program that returns at once on `sys_enter_close` alone, which dd
+  calls a handful of times. While any syscall tracepoint is attached, every thread on the
+  node takes the kernel's slow syscall path (syscall work flags) at every call: the floor
+  of tracing through syscall tracepoints at all.
+- `empty-programs`: a program that returns at once, on every syscall tracepoint
+  `bpf/http.c` attaches (read from the loaded agent): what running any program there
+  costs. The difference to `exit-only` is what the agent's programs do for a process they
+  do not trace.
+
 Usage: bench/syscall_cost.py [--rounds 5] [--count 1000000]
 Prints ns per read+write pair above nothing loaded, per variant, and the median.
 """
@@ -23,15 +34,34 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {"exit-only": 1, "enter+exit": 0}
-
+VARIANTS = {"exit-only": 1, "enter+exit": 0, "one-tracepoint": -1, "empty-programs": -2,
+            "raw-sys-exit": -3}
 
 def child(exit_args: int, target: int) -> int:
+    from bcc import BPF
     from sits_trace.agent.capture.loader import LoadOptions, load
 
-    kernel = load(LoadOptions(target_pids=[target], tls=False,
-                              extra_defines={"SITS_EXIT_ARGS": exit_args}))
-    assert kernel.defines["SITS_EXIT_ARGS"] == exit_args
+    held: list[object] = []  # the loaded programs stay attached while this child lives
+    if exit_args == -3:
+        held.append(BPF(text="RAW_TRACEPOINT_PROBE(sys_exit) { return 0; }"))
+    elif exit_args == -1:
+        held.append(BPF(text="TRACEPOINT_PROBE(syscalls, sys_enter_close) { return 0; }"))
+    else:
+        shipped = 1 if exit_args < 0 else exit_args  # the empty programs: where exit-only's are
+        kernel = load(LoadOptions(target_pids=[target], tls=False,
+                                  extra_defines={"SITS_EXIT_ARGS": shipped}))
+        assert kernel.defines["SITS_EXIT_ARGS"] == shipped
+        if exit_args == -2:  # the same syscall tracepoints, each with an empty program
+            tps = sorted(tp.decode() for tp in kernel.bpf.tracepoint_fds
+                         if tp.startswith(b"syscalls:"))
+            kernel.bpf.cleanup()
+            src = "".join(f"TRACEPOINT_PROBE(syscalls, {tp.split(':')[1]}) {{ return 0; }}\n"
+                          for tp in tps)
+            if not tps:
+                raise SystemExit("bench: the agent attached no syscall tracepoint")
+            held.append(BPF(text=src))
+        else:
+            held.append(kernel)
     print("ready", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     return 0
