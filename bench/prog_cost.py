@@ -11,7 +11,12 @@ ring and reads each program's run time (kernel.bpf_stats_enabled=1 meanwhile).
 
 With --baseline, that checkout's python runs this script over its own bpf/, round by round.
 
-Usage: bench/prog_cost.py [--rounds 5] [--count 20000] [--baseline /path/to/.venv/bin/python]
+--untraced: the programs trace an idle process instead, and the child's exchanges are a
+load generator's beside a traced server: what each program costs where it should return at
+once (the syscall exits, tcp_probe on sockets that are not traced, the scheduler's).
+
+Usage: bench/prog_cost.py [--rounds 5] [--count 20000] [--untraced]
+                          [--baseline /path/to/.venv/bin/python]
 Prints ns a run per program and ns an exchange for all programs, per round and the median.
 """
 
@@ -62,8 +67,9 @@ def exchanges(count: int) -> int:
     return 0
 
 
-def one(count: int) -> int:
-    """Load the programs for a child, run it, print each program's runs and run time (JSON)."""
+def one(count: int, untraced: bool) -> int:
+    """Load the programs for a child (`untraced`: for an idle process beside it), run it,
+    print each program's runs and run time (JSON)."""
     from sits_trace.agent.capture.loader import LoadOptions, RingSource, load
     from sits_trace.agent.capture.probes import tracefs_root
     from sits_trace.agent.signals import node as nodesignals
@@ -71,8 +77,9 @@ def one(count: int) -> int:
     child = subprocess.Popen([sys.executable, __file__, "--child", str(count)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
+    idle = subprocess.Popen(["sleep", "3600"]) if untraced else None
     opts = nodesignals.extend_options(
-        LoadOptions(target_pids=[child.pid], tls=False),
+        LoadOptions(target_pids=[(idle or child).pid], tls=False),
         nodesignals.load_additions(nodesignals.NodeSignalConfig(), tracefs_root()))
     kernel = load(opts)
     src = RingSource(kernel)
@@ -97,6 +104,8 @@ def one(count: int) -> int:
     finally:
         knob.write_text("0")
         child.wait(timeout=60)
+        if idle is not None:
+            idle.kill()
         time.sleep(0.2)
         stop.set()
         t.join()
@@ -115,17 +124,20 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=20000)
     ap.add_argument("--baseline", help="python of another checkout's venv, run round by round")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--untraced", action="store_true",
+                    help="the programs trace an idle process, not the child (see above)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         return exchanges(args.child)
     if args.one:
-        return one(args.count)
+        return one(args.count, args.untraced)
     runs = {"this": sys.executable, **({"base": args.baseline} if args.baseline else {})}
     got: dict[str, list[dict[str, dict[str, int]]]] = {k: [] for k in runs}
     for r in range(args.rounds):
         for label, py in runs.items():
-            out = subprocess.run([py, __file__, "--one", "--count", str(args.count)],
+            out = subprocess.run([py, __file__, "--one", "--count", str(args.count),
+                                  *(["--untraced"] if args.untraced else [])],
                                  capture_output=True, text=True, check=True).stdout
             progs = json.loads(out.strip().splitlines()[-1])["progs"]
             got[label].append(progs)

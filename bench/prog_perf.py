@@ -3,7 +3,8 @@ loop (a traced loopback connection, the programs loaded as `run` loads them), ea
 under a BPF program's frame counted against the helper it was in ("(self)": the program's
 own instructions, inlined array lookups included).
 
-Usage: bench/prog_perf.py [--count 100000] [--freq 10000] [--min-samples 100]
+Usage: bench/prog_perf.py [--count 100000] [--freq 10000] [--min-samples 100] [--untraced]
+(--untraced: prog_cost.py's --untraced, the programs where they should return at once)
 Prints, per program with enough samples, the share of its samples in each helper.
 """
 
@@ -50,12 +51,14 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=100000)
     ap.add_argument("--freq", type=int, default=10000)
     ap.add_argument("--min-samples", type=int, default=100)
+    ap.add_argument("--untraced", action="store_true",
+                    help="the child's exchanges untraced (bench/prog_cost.py --untraced)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         data = str(Path(d) / "perf.data")
         subprocess.run(["perf", "record", "-a", "-g", "-F", str(args.freq), "-o", data, "--",
                         sys.executable, str(HERE / "prog_cost.py"), "--one", "--count",
-                        str(args.count)], check=True, stdout=subprocess.DEVNULL,
+                        str(args.count), *(["--untraced"] if args.untraced else [])], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         script = subprocess.run(["perf", "script", "-i", data], capture_output=True,
                                 text=True, errors="replace", check=True).stdout

@@ -349,6 +349,10 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
     /* traced connections only, each at most once in SITS_SRTT_EVERY_JIFFIES: the agent reads
      * the value at most once a second a connection (agent/signals/tcp.py) */
     __u64 skaddr = (__u64)args->skaddr;
+    __u32 hi = rtt_hint_index(skaddr);
+    __u32 *hint = rtt_hints.lookup(&hi);
+    if (!hint || !*hint)
+        return 0; /* no traced socket in this bucket */
     __u64 *last = rtt_socks.lookup(&skaddr);
     if (!last)
         return 0;
@@ -420,7 +424,8 @@ static __always_inline void on_close(struct tcp_key *k, int old, __u64 skaddr)
 {
     tcp_sk_fd.delete(&skaddr);
 #if SITS_RTT_SOCKS
-    rtt_socks.delete(&skaddr);
+    if (rtt_socks.delete(&skaddr) == 0)
+        rtt_hint(skaddr, 0);
 #endif
     struct tcp_conn *c = conn_get(k, 0);
     /* FIN_WAIT2 or CLOSING -> CLOSE hands the connection to a TIME_WAIT socket, unless a

@@ -394,6 +394,7 @@ def test_srtt_only_of_traced_connections(netns: PeerNetns, kernel: loader.Kernel
         srtt = ours(kernel, port)[c].srtt_us
         print(f"registered from user space: client side srtt {srtt} us")
         assert srtt > 0
+        assert_hints_cover(kernel)
     finally:
         cli.stdin.write("done\n")
         cli.stdin.flush()
@@ -401,6 +402,31 @@ def test_srtt_only_of_traced_connections(netns: PeerNetns, kernel: loader.Kernel
         netns.stop_servers()
         kernel.forget_pid(cli.pid, [int(info["fd"])])
         drain(ring)
+
+
+RTT_HINTS = 16384  # bpf/sockio.h's SITS_RTT_HINTS
+
+
+def rtt_hint_index(sk: int) -> int:
+    """bpf/sockio.h's rtt_hint_index."""
+    return ((sk >> 6) ^ (sk >> 20)) & (RTT_HINTS - 1)
+
+
+def assert_hints_cover(kernel: loader.Kernel) -> None:
+    """tcp_probe skips a socket whose bucket counts none (bpf/sockio.h's rtt_hints): every
+    socket in rtt_socks must be counted in its bucket, and with nothing evicted the counts
+    are exactly the sockets (a close that took no count back leaves one too many)."""
+    socks = [k.value for k in kernel.bpf["rtt_socks"]]
+    hints = kernel.bpf["rtt_hints"]
+    assert len(hints) == RTT_HINTS
+    counts = {i: v.value for i, v in enumerate(hints.values()) if v.value}
+    want: dict[int, int] = {}
+    for sk in socks:
+        want[rtt_hint_index(sk)] = want.get(rtt_hint_index(sk), 0) + 1
+    print(f"rtt_socks {len(socks)} sockets; rtt_hints {sum(counts.values())} in "
+          f"{len(counts)} buckets")
+    assert socks
+    assert counts == want
 
 
 def test_srtt_matches_ss_over_ipv6(netns: PeerNetns, kernel: loader.Kernel,
