@@ -50,10 +50,10 @@ struct ssl_active {
 #define SITS_RTT_SOCKS 1
 BPF_TABLE("lru_hash", __u64, __u64, rtt_socks, SITS_MAX_CONNS);
 /* Ahead of the LRU, a count per bucket of socket addresses: how many of rtt_socks' sockets
- * fall in it. An array lookup is a load the verifier inlines, where the LRU's lookup was most
- * of tcp_probe's ~340 ns a segment beside nginx at ~9k requests/s (bench/overhead.py
- * --bpf-stats), half of the segments being the untraced client's. tcp_probe returns at a
- * zero count. A count errs only high (an entry the LRU evicts keeps its count; each count
+ * fall in it. tcp_probe returns at a zero count: for a segment of a socket that is not
+ * traced (a load generator's, half the segments beside a traced server) an array load the
+ * verifier inlines, not the LRU's hash lookup (107 -> 60 ns a run, bench/prog_cost.py
+ * --untraced). A count errs only high (an entry the LRU evicts keeps its count; each count
  * taken back pairs with an insert that added it), so a traced socket is never skipped. */
 #define SITS_RTT_HINTS 16384
 BPF_ARRAY(rtt_hints, __u32, SITS_RTT_HINTS);
