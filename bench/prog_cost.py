@@ -141,8 +141,11 @@ def main() -> int:
                                  capture_output=True, text=True, check=True).stdout
             progs = json.loads(out.strip().splitlines()[-1])["progs"]
             got[label].append(progs)
-            per = "  ".join(f"{n} {progs[n]['ns'] / progs[n]['runs']:.0f}" for n in SHOWN
-                            if n in progs)
+            # a program that ran only a few times (the scheduler's: the child is one thread,
+            # it hardly switches) says little: its run count is shown with it
+            per = "  ".join(f"{n} {progs[n]['ns'] / progs[n]['runs']:.0f}"
+                            + (f" ({progs[n]['runs']} runs)" if progs[n]["runs"] < 1000 else "")
+                            for n in SHOWN if n in progs)
             total = sum(p["ns"] for p in progs.values()) / args.count
             print(f"round {r + 1} [{label}]: ns a run: {per}; all programs {total:.0f} ns "
                   "an exchange", flush=True)
