@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from sits_trace.agent.capture import ringbuf
 from sits_trace.agent.capture.bpfmaps import _BPF_OBJ_GET_INFO_BY_FD, _SYS_BPF, _InfoAttr, _ProgInfo
@@ -117,19 +118,26 @@ def step_over(ring: MmapRing) -> tuple[int, int]:
     return n, size
 
 
-def floor(kernel: object) -> int:
-    """The agent's tracepoints, each with a program that returns at once, until SIGINT."""
+def empty_programs(bpf: Any, prefix: str = "") -> tuple[Any, list[str]]:
+    """The agent's programs (`bpf`, loaded) detached, and one program that returns at once
+    attached to each tracepoint they were on (those starting with `prefix`): the new BPF
+    object, which keeps them attached while it lives, and the tracepoints."""
     from bcc import BPF
 
-    bpf = kernel.bpf  # type: ignore[attr-defined]
-    tps = sorted(tp.decode() for tp in bpf.tracepoint_fds)
-    uprobes = len(bpf.uprobe_fds)
+    tps = sorted(tp.decode() for tp in bpf.tracepoint_fds if tp.decode().startswith(prefix))
     bpf.cleanup()
     if not tps:
-        raise SystemExit("kernel_only: the agent attached no tracepoint")
+        raise SystemExit(f"bench: the agent attached no tracepoint {prefix}*")
     empty = BPF(text="int empty(void *ctx) { return 0; }")
-    for tp in tps:  # one program, attached where each of the agent's was
+    for tp in tps:
         empty.attach_tracepoint(tp=tp, fn_name="empty")
+    return empty, tps
+
+
+def floor(kernel: Any) -> int:
+    """The agent's tracepoints, each with a program that returns at once, until SIGINT."""
+    uprobes = len(kernel.bpf.uprobe_fds)
+    _empty, tps = empty_programs(kernel.bpf)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print("sits-trace: tracing; kernel only", file=sys.stderr, flush=True)  # overhead.TRACE_READY

@@ -178,8 +178,8 @@ def main() -> int:
                          "ring drain (kernel; kernel-signals: with the node signals' programs "
                          "too, bpf/tcp.c and bpf/sched.c; kernel-skip: kernel-signals with the "
                          "ring's records stepped over, not copied; floor, floor-signals: "
-                         "programs that "
-                         "return at once on the same tracepoints, what the kernel's dispatch "
+                         "programs that return at once on the same tracepoints, what the "
+                         "kernel's dispatch "
                          "costs whatever the programs do); repeat to interleave several in "
                          "each round")
     ap.add_argument("--cpu-budget", help="the agent's trace.cpu_budget in trace mode")

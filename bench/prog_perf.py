@@ -58,8 +58,8 @@ def main() -> int:
         data = str(Path(d) / "perf.data")
         subprocess.run(["perf", "record", "-a", "-g", "-F", str(args.freq), "-o", data, "--",
                         sys.executable, str(HERE / "prog_cost.py"), "--one", "--count",
-                        str(args.count), *(["--untraced"] if args.untraced else [])], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+                        str(args.count), *(["--untraced"] if args.untraced else [])],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         script = subprocess.run(["perf", "script", "-i", data], capture_output=True,
                                 text=True, errors="replace", check=True).stdout
     progs = by_helper(script)

@@ -52,14 +52,9 @@ def child(exit_args: int, target: int) -> int:
                                   extra_defines={"SITS_EXIT_ARGS": shipped}))
         assert kernel.defines["SITS_EXIT_ARGS"] == shipped
         if exit_args == -2:  # the same syscall tracepoints, each with an empty program
-            tps = sorted(tp.decode() for tp in kernel.bpf.tracepoint_fds
-                         if tp.startswith(b"syscalls:"))
-            kernel.bpf.cleanup()
-            src = "".join(f"TRACEPOINT_PROBE(syscalls, {tp.split(':')[1]}) {{ return 0; }}\n"
-                          for tp in tps)
-            if not tps:
-                raise SystemExit("bench: the agent attached no syscall tracepoint")
-            held.append(BPF(text=src))
+            from kernel_only import empty_programs  # the sibling bench's --floor
+
+            held.append(empty_programs(kernel.bpf, "syscalls:")[0])
         else:
             held.append(kernel)
     print("ready", flush=True)
